@@ -1,0 +1,36 @@
+# Every target creates .venv and installs what it needs: a fresh clone needs only `make demo` / `make test`.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+RUN     := $(PY) -m specbatch.blas   # starts Python with OpenBLAS preloaded (Linux CPU)
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast demo bench serve statecharts clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(RUN) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(RUN) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	.venv/bin/specbatch demo
+
+bench: $(STAMP)
+	.venv/bin/specbatch bench
+
+serve: $(STAMP)
+	.venv/bin/specbatch serve
+
+statecharts: $(STAMP)
+	.venv/bin/specbatch statechart --write
+
+clean:
+	rm -rf .venv build .pytest_cache .hypothesis

@@ -1,0 +1,14 @@
+"""specbatch: speculative decoding and continuous batching together, on MLX."""
+
+from .logs import configure_default as _configure_logs
+
+_configure_logs()
+
+from .engine import Engine  # noqa: E402
+from .errors import EngineClosed, InvalidRequest, QueueFull
+from .request import Completion, RequestHandle, TokenEvent, Usage
+from .sampling import SamplingParams
+
+__all__ = ["Engine", "SamplingParams", "Completion", "RequestHandle", "TokenEvent", "Usage",
+           "InvalidRequest", "EngineClosed", "QueueFull"]
+__version__ = "0.1.0"

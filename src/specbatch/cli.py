@@ -1,0 +1,114 @@
+"""``specbatch``: generate, demo, bench, statechart (and serve, calibrate where built)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .blas import ensure_openblas
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="target: mlx-lm folder or HF id (default: embedded demo pair)")
+    p.add_argument("--draft-model", default=None, help="drafter with the target's vocabulary")
+    p.add_argument("--no-speculation", action="store_true", help="decode plain")
+    p.add_argument("--speculative-width-cap", type=int, default=None,
+                   help="widest batch that still speculates (0 = uncapped)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per round (k)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 | auto")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _engine(args):
+    from . import Engine
+    return Engine.from_pretrained(args.model, args.draft_model, speculation=not args.no_speculation,
+                                  speculative_width_cap=args.speculative_width_cap,
+                                  num_draft_tokens=args.num_draft_tokens, dtype=args.dtype)
+
+
+def cmd_generate(args) -> int:
+    from . import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    with _engine(args) as engine:
+        handle = engine.submit(args.prompt, params)
+        sys.stdout.write(args.prompt)
+        for event in handle:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        if args.verbose:
+            done = handle.result()
+            print(f"[{done.finish_reason}] {done.usage.completion_tokens} tokens, seed {done.seed}; "
+                  f"stats {engine.stats()}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(args)
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    return run_bench(args)
+
+
+def cmd_statechart(args) -> int:
+    from .statechart import run_statechart
+    return run_statechart(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specbatch", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream one completion to stdout")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    _model_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="staggered concurrent requests, live transitions, a summary")
+    d.add_argument("--requests", type=int, default=6)
+    d.add_argument("--max-tokens", type=int, default=48)
+    _model_args(d)
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks side by side with mlx-lm")
+    b.add_argument("--suite", default="plain", help="comma list: plain")
+    b.add_argument("--widths", default="1,2,4,8,16")
+    b.add_argument("--tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--out", default="bench/results")
+    _model_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("statechart", help="write or check the Mermaid chart of the machine")
+    s.add_argument("--write", action="store_true")
+    s.add_argument("--check", action="store_true")
+    s.add_argument("--trace", default=None, help="JSON log of a run: draw the path it took")
+    s.set_defaults(func=cmd_statechart)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ensure_openblas()
+    args = build_parser().parse_args(argv)
+    from . import logs
+    from .blas import active_blas
+    logs.configure(getattr(args, "log_format", "console"), "info" if getattr(args, "verbose", False) else None)
+    if getattr(args, "verbose", False):
+        print(f"specbatch: BLAS = {active_blas()}", file=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as exc:
+        print(f"specbatch: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Engine configuration, environment switches, and loading a target/drafter pair.
+
+Switches (both names work): ``SPECBATCH_PREEMPT`` / ``GMLX_MTP_PREEMPT`` (0: a lone
+speculating stream makes arrivals wait), ``SPECBATCH_RESUME`` / ``GMLX_MTP_RESUME`` (0: a
+gated batch stays plain until it finishes), ``SPECBATCH_WIDTH_CAP`` / ``GMLX_MTP_WIDTH_CAP``
+(the cap; beats the config).
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+
+
+DEFAULT_K = 4
+DEFAULT_CAP = 2  # a separate drafter on a dense target, until calibration says otherwise
+
+
+def _flag(*names: str, default: bool = True) -> bool:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None:
+            return value.strip().lower() not in ("0", "false", "no", "off")
+    return default
+
+
+def _positive(inst, attr, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attr.name} must be a positive integer, got {value!r}")
+
+
+def check_cap(value) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"speculative_width_cap must be an integer >= 0, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"speculative_width_cap must be an integer >= 0 (0 = uncapped), got {value!r}")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """How the engine schedules; every field has a sensible default."""
+
+    speculation: bool = True
+    num_draft_tokens: int = attrs.field(default=DEFAULT_K, validator=_positive)
+    speculative_width_cap: int = attrs.field(default=DEFAULT_CAP, converter=check_cap)
+    max_batch: int = attrs.field(default=64, validator=_positive)
+    max_queue: int = attrs.field(default=1024, validator=_positive)
+    preempt: bool = attrs.field(factory=lambda: _flag("SPECBATCH_PREEMPT", "GMLX_MTP_PREEMPT"))
+    resume: bool = attrs.field(factory=lambda: _flag("SPECBATCH_RESUME", "GMLX_MTP_RESUME"))
+    rearm_min_remaining: int = attrs.field(default=8, validator=attrs.validators.ge(0))
+    verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))
+
+    def speculates_at(self, width: int) -> bool:
+        """The cap is inclusive: width == cap still speculates; 0 means uncapped."""
+        cap = self.speculative_width_cap
+        return self.speculation and (cap == 0 or width <= cap)
+
+
+def env_cap() -> int | None:
+    for name in ("SPECBATCH_WIDTH_CAP", "GMLX_MTP_WIDTH_CAP"):
+        if os.environ.get(name, "").strip():
+            return check_cap(os.environ[name].strip())
+    return None
+
+
+def load_pair(model=None, draft_model=None, *, speculation=True, speculative_width_cap=None,
+              num_draft_tokens=None, dtype=None, **options):
+    """Load target and drafter (the embedded demo pair when ``model`` is None)."""
+    from . import models
+
+    if model is None:
+        pair = models.demo_pair()
+        model = str(pair["target"])
+        if draft_model is None:
+            draft_model = str(pair["drafter"])
+    target = models.load(model, dtype=dtype)
+    drafter = None
+    if draft_model is not None and speculation:
+        drafter = models.load(draft_model, dtype=dtype)
+        models.check_pair(target, drafter)
+    cap = env_cap()
+    if cap is None:
+        cap = speculative_width_cap
+    if cap is None:
+        from .calibration import lookup_cap
+        cap = lookup_cap(target.name, drafter.name if drafter else None)
+    fields = dict(options, speculation=speculation and drafter is not None)
+    if cap is not None:
+        fields["speculative_width_cap"] = cap
+    if num_draft_tokens is not None:
+        fields["num_draft_tokens"] = num_draft_tokens
+    return target, drafter, EngineConfig(**fields)

@@ -1,0 +1,208 @@
+"""The engine: a thread that owns MLX, an injection queue, and request handles.
+
+Data flows one way: ``submit`` validates and queues a request; the engine thread moves
+queued requests to the scheduler between rounds; the scheduler (the state machine)
+decides what each round is and runs it on the decode loops; tokens flow back to the
+request handles as events. Callers never block the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+from typing import Iterable
+
+import attrs
+import structlog
+
+from .config import EngineConfig
+from .errors import EngineClosed, InvalidRequest, QueueFull
+from .detok import TextStream
+from .models import LoadedModel
+from .request import Request, RequestHandle
+from .sampling import SamplingParams
+from .scheduler import Scheduler, build_scheduler
+from .stats import EngineStats
+
+log = structlog.get_logger(__name__)
+
+
+class Engine:
+    """Speculative decoding and continuous batching together, behind one small API."""
+
+    def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None,
+                 config: EngineConfig | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.config = config or EngineConfig()
+        self.tokenizer = target.tokenizer
+        self._stats = EngineStats()
+        self.scheduler: Scheduler = build_scheduler(target, drafter, self.config, self._stats)
+        self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._live: dict[str, Request] = {}
+        self._lock = threading.Lock()
+        self._closing = False
+        self._drain = True
+        self._thread = threading.Thread(target=self._run, name="specbatch-engine", daemon=True)
+        self._thread.start()
+        log.info("engine_started", model=target.name, drafter=drafter and drafter.name,
+                 speculation=self.config.speculation and drafter is not None,
+                 k=self.config.num_draft_tokens, cap=self.config.speculative_width_cap)
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, draft_model: str | None = None, *,
+                        speculation: bool = True, speculative_width_cap: int | None = None,
+                        num_draft_tokens: int | None = None, **options) -> "Engine":
+        """Load a target (and drafter) and start the engine; ``model=None``: the demo pair."""
+        from .config import load_pair
+
+        target, drafter, config = load_pair(model, draft_model, speculation=speculation,
+                                            speculative_width_cap=speculative_width_cap,
+                                            num_draft_tokens=num_draft_tokens, **options)
+        return cls(target, drafter, config)
+
+    # -- caller side ------------------------------------------------------------------
+    def encode(self, prompt: str | Iterable[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt must not be empty", "prompt")
+            return list(self.tokenizer.encode(prompt))
+        try:
+            ids = [int(t) for t in prompt]
+            if any(isinstance(t, bool) or int(t) != t for t in prompt):
+                raise TypeError
+        except (TypeError, ValueError):
+            raise InvalidRequest("prompt must be a string or a list of token ids", "prompt") from None
+        if any(not 0 <= t < self.target.vocab_size for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.target.vocab_size})", "prompt")
+        return ids
+
+    def _make_request(self, prompt, params) -> Request:
+        if self._closing:
+            raise EngineClosed("engine is closed")
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams(**params)
+        ids = self.encode(prompt)
+        if not ids:
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        room = self.target.context_length - len(ids)
+        if room < 1:
+            raise InvalidRequest(
+                f"prompt has {len(ids)} tokens; the model's context is "
+                f"{self.target.context_length}", "prompt", "context_length_exceeded")
+        params = params.with_seed()
+        if params.max_tokens > room:  # a prompt may fill the context up to the limit
+            params = attrs.evolve(params, max_tokens=room)
+        if self._inbox.qsize() + len(self._waiting) >= self.config.max_queue:
+            raise QueueFull(f"{self.config.max_queue} requests are already waiting")
+        handle = RequestHandle("", params.seed, len(ids))
+        request = Request(ids, params, TextStream(self.tokenizer, params.stop), handle,
+                          frozenset(self.tokenizer.eos_token_ids))
+        handle.request_id = request.id
+        return request
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> RequestHandle:
+        """Queue a request and return its handle at once."""
+        request = self._make_request(prompt, params)
+        self._enqueue(request)
+        return request.handle
+
+    def _enqueue(self, request: Request) -> None:
+        with self._lock:
+            self._live[request.id] = request
+        self._stats.submitted += 1
+        self._inbox.put(request)
+
+    async def stream(self, prompt, params=None):
+        """``async for event in engine.stream(...)``; cancels the request if abandoned."""
+        request = self._make_request(prompt, params)
+        events = request.handle._attach(asyncio.get_running_loop())
+        self._enqueue(request)
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            if not request.handle.done:
+                self.cancel(request.handle)
+
+    def cancel(self, handle: RequestHandle | str) -> None:
+        """Remove the request at the next round boundary; its KV is freed."""
+        self._cancels.put(handle if isinstance(handle, str) else handle.request_id)
+        self._inbox.put(None)  # wake the loop
+
+    def stats(self) -> dict:
+        return self._stats.snapshot(self.scheduler, queue_depth=len(self._waiting) + self._inbox.qsize())
+
+    def close(self, drain: bool = False, timeout: float | None = 60.0) -> None:
+        """Stop admitting; finish (``drain``) or cancel in-flight work; join the thread."""
+        self._closing, self._drain = True, drain
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- engine thread --------------------------------------------------------------------
+    def _intake(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self._waiting.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        while not self._cancels.empty():
+            rid = self._cancels.get_nowait()
+            with self._lock:
+                request = self._live.get(rid)
+            if request is None:
+                continue
+            request.cancel_requested = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+                request.abort("cancelled")
+
+    def _run(self) -> None:
+        while True:
+            self._intake(block=not self.scheduler.busy and not self._waiting)
+            if self._closing and not self._drain:
+                for request in list(self._waiting):
+                    request.abort("cancelled")
+                self._waiting.clear()
+                for request in self.scheduler.requests():
+                    request.cancel_requested = True
+            if self._closing and not self.scheduler.busy and not self._waiting:
+                break
+            if not self.scheduler.busy and not self._waiting:
+                continue
+            self._step()
+        self.scheduler.shutdown()
+
+    def _step(self) -> None:
+        more_coming = not self._inbox.empty()
+        try:
+            finished = self.scheduler.step(self._waiting, more_coming=more_coming)
+        except Exception as exc:  # a failed round fails its own requests, not the engine
+            log.exception("round_failed", error=str(exc))
+            finished = self.scheduler.recover()
+            for request in finished:
+                request.abort("error", f"internal error: {exc}")
+        for request in finished:
+            if request.cancel_requested and not request.finished:
+                request.abort("cancelled")
+            self._stats.record_finish(request)
+            with self._lock:
+                self._live.pop(request.id, None)

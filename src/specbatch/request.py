@@ -1,0 +1,166 @@
+"""A request's life on the engine side, and the handle its submitter holds.
+
+Vocabulary: a request's *emitted* count is how many tokens went out to its handle;
+output position ``p`` is the index of a token in that stream (the first generated token
+is position 0). A request *finishes* exactly once, with a reason: "stop" (EOS, a stop
+token or a stop string), "length" (budget), "cancelled" or "error".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+
+import attrs
+
+from .detok import TextStream
+from .sampling import SamplingParams
+
+_ids = itertools.count(1)
+
+
+@attrs.frozen
+class TokenEvent:
+    """One step of a stream: a token and its text delta; the last carries finish_reason."""
+
+    request_id: str
+    index: int
+    token: int | None
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    seed: int
+    error: str | None = None
+
+
+class RequestHandle:
+    """What ``Engine.submit`` returns: iterate for events, or ``result()`` for the whole."""
+
+    def __init__(self, request_id: str, seed: int, prompt_tokens: int):
+        self.request_id = request_id
+        self.seed = seed
+        self.prompt_tokens = prompt_tokens
+        self._events: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._completion: Completion | None = None
+        self._consumed_final = False
+        self._listeners: list = []
+
+    # engine side ----------------------------------------------------------------------
+    def _push(self, event: TokenEvent) -> None:
+        self._events.put(event)
+        for loop, aqueue in self._listeners:
+            loop.call_soon_threadsafe(aqueue.put_nowait, event)
+
+    def _complete(self, completion: Completion) -> None:
+        self._completion = completion
+        self._done.set()
+
+    # caller side ------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def __iter__(self):
+        while not self._consumed_final:
+            event = self._events.get()
+            if event.finish_reason is not None:
+                self._consumed_final = True
+            yield event
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Block until finished; the whole completion, however many events were read."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
+        return self._completion
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        aqueue: asyncio.Queue = asyncio.Queue()
+        self._listeners.append((loop, aqueue))
+        return aqueue
+
+
+@attrs.define(eq=False)
+class Request:
+    """Engine-side state of one request (owned by the engine thread)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stream: TextStream
+    handle: RequestHandle
+    eos_ids: frozenset[int]
+    id: str = attrs.field(factory=lambda: f"req-{next(_ids)}")
+    tokens: list[int] = attrs.field(factory=list)
+    finish_reason: str | None = None
+    cancel_requested: bool = False
+    retire: bool = True  # offer the KV back to the prompt cache; preempted requests don't
+    submitted_at: float = attrs.field(factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def emitted(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - self.emitted
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def emit(self, token: int) -> bool:
+        """Deliver one token; True when the request has just finished (nothing after)."""
+        if self.finished:
+            raise RuntimeError(f"{self.id}: token after finish")
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.tokens.append(token)
+        text = self.stream.add(token)
+        reason = None
+        if (token in self.eos_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids or self.stream.stopped:
+            reason = "stop"
+        elif self.remaining <= 0:
+            reason = "length"
+        if reason is not None:
+            text += self.stream.finish()
+        self.handle._push(TokenEvent(self.id, self.emitted - 1, token, text, reason))
+        if reason is not None:
+            self._close(reason)
+        return reason is not None
+
+    def abort(self, reason: str, error: str | None = None) -> None:
+        """Finish without a token (cancel or error); the final event carries the reason."""
+        if self.finished:
+            return
+        text = self.stream.finish() if reason != "error" else ""
+        self.handle._push(TokenEvent(self.id, self.emitted, None, text, reason, error))
+        self._close(reason, error)
+
+    def _close(self, reason: str, error: str | None = None) -> None:
+        self.finish_reason = reason
+        self.handle._complete(Completion(
+            self.id, self.stream.text, list(self.tokens), reason,
+            Usage(len(self.prompt), len(self.tokens)), self.params.seed, error))

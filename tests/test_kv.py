@@ -1,0 +1,112 @@
+"""The ragged cache gives each row exactly what running that row alone gives."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache
+
+from specbatch.kv import BatchKV, RaggedKVCache, check_supported
+
+
+def alone_logits(model, tokens: list[int], n: int) -> mx.array:
+    """Logits of the last ``n`` tokens when the row runs alone from scratch."""
+    return model(mx.array(tokens)[None])[0, -n:]
+
+
+def prefill_row(model, tokens: list[int]) -> BatchKV:
+    cache = [KVCache() for _ in model.layers]
+    model(mx.array(tokens)[None], cache=cache)
+    return BatchKV.from_singles(cache)
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 4)),
+    st.tuples(st.just("trim"), st.lists(st.integers(0, 3), min_size=6, max_size=6)),
+    st.tuples(st.just("remove"), st.integers(0, 5)),
+    st.tuples(st.just("add"), st.integers(1, 12)),
+), min_size=1, max_size=8)
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_qwen"])
+@given(lengths=st.lists(st.integers(1, 16), min_size=1, max_size=4), schedule=ops, seed=st.integers(0, 99))
+def test_ragged_cache_matches_rows_alone(request, which, lengths, schedule, seed):
+    model = request.getfixturevalue(which).model
+    rng = random.Random(seed)
+    draw = lambda n: [rng.randrange(3, 500) for _ in range(n)]  # noqa: E731
+    histories: list[list[int]] = []
+    kv = BatchKV.empty(len(model.layers))
+    for n in lengths:
+        histories.append(draw(n))
+        kv.extend(prefill_row(model, histories[-1]))
+    for op, arg in schedule:
+        if op == "append" and histories:
+            new = [draw(arg) for _ in histories]
+            logits = model(mx.array(new), cache=kv.layers)  # [B, arg, V]
+            for b, toks in enumerate(new):
+                histories[b] += toks
+                assert mx.allclose(logits[b], alone_logits(model, histories[b], arg), atol=1e-4), (op, b)
+        elif op == "trim" and histories:
+            counts = [min(c, len(h) - 1) for c, h in zip(arg, histories)]
+            kv.trim_rows(counts)
+            histories = [h[:len(h) - c] for h, c in zip(histories, counts)]
+        elif op == "remove" and len(histories) > 1:
+            gone = arg % len(histories)
+            keep = [i for i in range(len(histories)) if i != gone]
+            kv.filter(keep)
+            histories = [histories[i] for i in keep]
+        elif op == "add":
+            histories.append(draw(arg))
+            kv.extend(prefill_row(model, histories[-1]))
+        assert kv.lengths() == [len(h) for h in histories]
+    if histories:  # a final step checks the surviving rows once more
+        logits = model(mx.array([[5]] * len(histories)), cache=kv.layers)
+        for b, h in enumerate(histories):
+            assert mx.allclose(logits[b, 0], alone_logits(model, h + [5], 1)[0], atol=1e-4)
+
+
+def test_extract_and_convert_round_trip(tiny):
+    model = tiny.model
+    kv = prefill_row(model, [5, 6, 7, 8])
+    kv.extend(prefill_row(model, [9, 10]))
+    single = kv.extract(1)
+    assert single[0].offset == 2
+    back = BatchKV.from_singles(single)
+    assert back.lengths() == [2]
+    a = model(mx.array([[11]]), cache=single)
+    b = model(mx.array([[11]]), cache=back.layers)
+    assert mx.allclose(a, b, atol=1e-5)
+
+
+def test_protocol_members():
+    cache = RaggedKVCache([0, 0])
+    k = mx.ones((2, 2, 3, 4))
+    cache.update_and_fetch(k, k)
+    assert cache.offset.tolist() == [3, 3]
+    cache.trim_rows([1, 2])
+    assert cache.offset.tolist() == [2, 1]
+    mask = cache.make_mask(2)
+    assert mask.shape == (2, 1, 2, 4)
+    assert mask[1, 0, 0].tolist() == [True, True, False, False]  # 1 held + itself
+    assert cache.nbytes > 0 and cache.is_trimmable()
+    assert cache.used_bytes() == 2 * 2 * 4 * 4 * 3  # keys+values, 2 heads, dim 4, fp32, 3 tokens
+    keys, values = cache.state
+    assert keys.shape[2] == 2
+    cache.filter([])
+    assert cache.width == 0 and cache.nbytes == 0
+
+
+def test_unsupported_architecture_is_refused():
+    class Sliding:
+        model_type = "gemma3"
+
+        def make_cache(self):
+            from mlx_lm.models.cache import RotatingKVCache
+            return [RotatingKVCache(max_size=8)]
+
+    with pytest.raises(ValueError, match="full-attention"):
+        check_supported(Sliding())

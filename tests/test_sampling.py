@@ -1,0 +1,61 @@
+"""SamplingParams validation and the position-keyed sampler."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from specbatch.sampling import RowSampling, SamplingParams, positions_from, sample
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=1.5), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature="hot"), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.01), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(seed=1.5), "seed"),
+    (dict(seed="7"), "seed"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+])
+def test_bad_params_fail_at_construction(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        SamplingParams(**kwargs)
+
+
+def test_unseeded_requests_get_a_recorded_seed():
+    p = SamplingParams().with_seed()
+    assert isinstance(p.seed, int)
+    assert SamplingParams(seed=5).with_seed().seed == 5
+
+
+def test_token_is_a_pure_function_of_logits_seed_and_position():
+    logits = mx.random.normal((1, 4, 64), key=mx.random.key(0))
+    rows = RowSampling.of([SamplingParams(temperature=0.8, seed=11)])
+    whole = sample(logits, rows, positions_from([10], 4))
+    # the same positions sampled one at a time, in another batch shape, agree
+    parts = [sample(logits[:, i:i + 1], rows, positions_from([10 + i], 1)).item() for i in range(4)]
+    assert whole[0].tolist() == parts
+    batch = RowSampling.of([SamplingParams(seed=3), SamplingParams(temperature=0.8, seed=11)])
+    wide = sample(mx.concatenate([logits, logits]), batch, positions_from([0, 10], 4))
+    assert wide[1].tolist() == parts
+    assert wide[0].tolist() == mx.argmax(logits[0], -1).tolist()  # the greedy row
+
+
+def test_sampling_follows_the_distribution():
+    logits = mx.log(mx.array([[[0.5, 0.3, 0.2]]]))
+    rows = RowSampling.of([SamplingParams(temperature=1.0, seed=1)])
+    draws = [sample(logits, rows, positions_from([p], 1)).item() for p in range(3000)]
+    freq = [draws.count(i) / len(draws) for i in range(3)]
+    assert freq == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
+
+
+def test_top_p_and_top_k_cut_the_tail():
+    logits = mx.log(mx.array([[[0.5, 0.3, 0.15, 0.05]]]))
+    for params, allowed in [(dict(top_p=0.7), {0, 1}), (dict(top_k=1), {0}), (dict(top_p=0.9, top_k=3), {0, 1, 2})]:
+        rows = RowSampling.of([SamplingParams(temperature=1.0, seed=2, **params)])
+        draws = {sample(logits, rows, positions_from([p], 1)).item() for p in range(400)}
+        assert draws == allowed, params
