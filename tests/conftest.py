@@ -19,9 +19,10 @@ def model_dir(tmp_path_factory):
     from specbatch.tiny import build_tiny_model
     root = tmp_path_factory.mktemp("models")
     return {
-        "llama": build_tiny_model(root / "llama", "llama", seed=0),
+        "llama": build_tiny_model(root / "llama", "llama", seed=0, tie=False),
         "qwen3": build_tiny_model(root / "qwen3", "qwen3", seed=1),
-        "draft": build_tiny_model(root / "draft", "llama", seed=2, hidden=32, layers=1, heads=2, kv_heads=1),
+        "draft": build_tiny_model(root / "draft", "qwen2", seed=2, hidden=32, layers=1, heads=2, kv_heads=1,
+                                  tie=False),
     }
 
 

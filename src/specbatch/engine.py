@@ -9,12 +9,15 @@ request handles as events. Callers never block the engine thread.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import queue
 import threading
+import weakref
 from typing import Iterable
 
 import attrs
+import mlx.core as mx
 import structlog
 
 from .config import EngineConfig
@@ -27,6 +30,15 @@ from .scheduler import Scheduler, build_scheduler
 from .stats import EngineStats
 
 log = structlog.get_logger(__name__)
+_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    # MLX aborts at exit if a thread still holds streams: stop engine threads first.
+    for engine in list(_engines):
+        engine.close(timeout=10)
+    mx.clear_streams()
 
 
 class Engine:
@@ -49,6 +61,7 @@ class Engine:
         self._drain = True
         self._thread = threading.Thread(target=self._run, name="specbatch-engine", daemon=True)
         self._thread.start()
+        _engines.add(self)
         log.info("engine_started", model=target.name, drafter=drafter and drafter.name,
                  speculation=self.config.speculation and drafter is not None,
                  k=self.config.num_draft_tokens, cap=self.config.speculative_width_cap)
@@ -176,6 +189,13 @@ class Engine:
                 request.abort("cancelled")
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.scheduler.shutdown()
+            mx.clear_streams()  # MLX needs per-thread cleanup before interpreter exit
+
+    def _serve(self) -> None:
         while True:
             self._intake(block=not self.scheduler.busy and not self._waiting)
             if self._closing and not self._drain:
@@ -189,7 +209,6 @@ class Engine:
             if not self.scheduler.busy and not self._waiting:
                 continue
             self._step()
-        self.scheduler.shutdown()
 
     def _step(self) -> None:
         more_coming = not self._inbox.empty()

@@ -98,7 +98,7 @@ def position_noise(seeds: list[int], positions: mx.array, vocab: int) -> mx.arra
     return draw(keys.reshape(B * N, 2)).reshape(B, N, vocab)
 
 
-def _filter(logits: mx.array, top_p: mx.array, top_k: mx.array) -> mx.array:
+def filter_logits(logits: mx.array, top_p: mx.array, top_k: mx.array) -> mx.array:
     """Mask logits outside each row's top-k / nucleus with -inf. logits [B, N, V]."""
     order = mx.argsort(-logits, axis=-1)  # [B, N, V]
     ranked = mx.take_along_axis(logits, order, axis=-1)
@@ -144,7 +144,7 @@ def perturbed(logits: mx.array, rows: RowSampling, positions: mx.array) -> mx.ar
     if rows.all_greedy:
         return logits
     if rows.filtered:
-        logits = _filter(logits, mx.array(rows.top_p), mx.array(rows.top_k))
+        logits = filter_logits(logits, mx.array(rows.top_p), mx.array(rows.top_k))
     temp = mx.array(rows.temperature, dtype=mx.float32)[:, None, None]  # [B, 1, 1]
     noise = position_noise(rows.seeds, positions, logits.shape[-1])
     scored = logits / mx.maximum(temp, 1e-6) + noise

@@ -1,4 +1,4 @@
-"""What the engine thread asks of a scheduler, and the plain (no-drafter) scheduler."""
+"""What the engine thread asks of a scheduler, and admission helpers the machine uses."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import structlog
 
 from .loops.batch import BatchLoop
 from .request import Request
-from .runner import ModelRunner
 
 log = structlog.get_logger(__name__)
 
@@ -52,45 +51,6 @@ def take(waiting: collections.deque, n: int) -> list[Request]:
     return [waiting.popleft() for _ in range(min(n, len(waiting)))]
 
 
-class PlainScheduler:
-    """Continuous batching without speculation: every round is a plain round."""
-
-    def __init__(self, target, config, stats):
-        self.loop = BatchLoop(ModelRunner(target.model) if hasattr(target, "model") else target)
-        self.config = config
-        self.stats = stats
-
-    @property
-    def busy(self) -> bool:
-        return self.loop.width > 0
-
-    def step(self, waiting, more_coming):
-        loop, done = self.loop, []
-        boundary = waiting or any(r.request.finished or r.request.cancel_requested for r in loop.rows)
-        if boundary:
-            loop.settle()
-            done += loop.reap()
-            done += admit_each(loop, take(waiting, self.config.max_batch - loop.width))
-        if loop.width:
-            loop.plain_round(successor=not (more_coming or waiting))
-            self.stats.rounds += 1
-        if loop.settled:
-            done += loop.reap()
-        return done
-
-    def recover(self):
-        return self.loop.fail_all()
-
-    def requests(self):
-        return [r.request for r in self.loop.rows]
-
-    def gauges(self):
-        return {"state": "Gated" if self.loop.width else "Idle", "width": self.loop.width,
-                "kv_bytes": self.loop.kv.nbytes, "kv_used_bytes": self.loop.kv.used_bytes()}
-
-    def shutdown(self):
-        self.loop.fail_all()
-
-
 def build_scheduler(target, drafter, config, stats) -> Scheduler:
-    return PlainScheduler(target, config, stats)
+    from .machine import SpecMachine
+    return SpecMachine(target, drafter, config, stats)

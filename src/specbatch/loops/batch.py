@@ -4,6 +4,13 @@ Per row it tracks the KV offset (in the ragged cache), the budget and finished f
 the request) and the *pending* token: the last emitted token, not yet in the target
 cache, which the next round starts from (after a verify round, the bonus token).
 
+Armed, it speculates: greedy drafting for all rows at once (coupled noise does not
+extend across rows), one verify forward over ``B x (k+1)``, per-row accepted counts and
+per-row rollback on the ragged caches. Unarmed, it runs plain rounds and leaves the
+drafter untouched (no drafter rows). Arming runs a *capture round*: one plain,
+one-position forward of each row's pending token that emits one token per row, after
+which the drafter cold-starts from the captured rows.
+
 Plain rounds pipeline: a round dispatches the next round's forward before reading its
 own tokens (``mx.async_eval``), so Python overhead hides behind compute. That successor
 has already appended its KV, so any structural change (admit, remove, arm) first
@@ -17,9 +24,11 @@ import mlx.core as mx
 import structlog
 
 from ..kv import BatchKV
+from ..drafters.base import Capture
 from ..request import Request
 from ..runner import TargetRunner, prefill
 from ..sampling import RowSampling, positions_from, sample
+from .verify import RoundResult, spec_round
 
 log = structlog.get_logger(__name__)
 
@@ -34,8 +43,9 @@ class Row:
 class BatchLoop:
     """Decode rounds over many rows; rows join and leave only between rounds."""
 
-    def __init__(self, target: TargetRunner):
-        self.target = target
+    def __init__(self, target: TargetRunner, drafter=None, k: int = 4, verify: str = "coupled"):
+        self.target, self.drafter, self.k, self.verify = target, drafter, k, verify
+        self.armed = False  # the drafter holds one row per loop row
         self.rows: list[Row] = []
         self.kv = BatchKV.empty(target.n_layers)
         self._lookahead: mx.array | None = None  # [B] lazy tokens of a dispatched forward
@@ -52,7 +62,10 @@ class BatchLoop:
 
     # -- admission --------------------------------------------------------------------
     def admit(self, request: Request, cache: list | None = None) -> None:
-        """Prefill one request, emit its first token and add it as a row (if it goes on)."""
+        """Prefill one request, emit its first token and add it as a row (if it goes on).
+
+        Armed, the row joins the drafter too; the machine admits into an armed loop only
+        while the batch stays within the cap."""
         assert self.settled, "admit only between settled rounds"
         single = cache if cache is not None else self.target.make_cache()
         have = single[0].offset if single and single[0].keys is not None else 0
@@ -69,6 +82,55 @@ class BatchLoop:
         self.kv.extend(kv)
         self.rows.append(row)
         self._sampling = None
+        if self.armed:
+            self.drafter.add_rows([_history(row)])
+
+    def rebuild(self, handoff) -> None:
+        """The rebuild entry: a preempted scalar request joins, unarmed, from its handoff.
+
+        Its verified, undelivered tokens go out first (their KV is already cached); it
+        restarts from the round's bonus token with its real emitted count."""
+        request = handoff.request
+        for token in handoff.undelivered:
+            if request.emit(token):
+                return
+        self.add_row(Row(request, handoff.pending, handoff.prev), BatchKV.from_singles(handoff.target_cache))
+
+    # -- arming ---------------------------------------------------------------------------
+    def capture_round(self) -> int:
+        """Settle, emit one token per row at plain cost, cold-start the drafter; arm."""
+        emitted = self.settle()
+        emitted += self.plain_round(successor=False)
+        self.drafter.cold_start(Capture([_history(r) for r in self.rows]))
+        self.armed = True
+        return emitted
+
+    def disarm(self) -> None:
+        """Gate: plain rounds from here on; the drafter drops its rows."""
+        if self.armed:
+            self.drafter.reset()
+        self.armed = False
+
+    def spec_round(self) -> RoundResult | None:
+        """One armed round: draft, verify, accept, emit per row, roll back per row."""
+        assert self.settled and self.armed
+        k = min(self.k, max(r.request.remaining for r in self.rows) - 1)
+        if k < 1:
+            self.plain_round(successor=False)
+            return None
+        result = spec_round(self.target, self.kv.layers, self.drafter, [r.pending for r in self.rows],
+                            [r.prev for r in self.rows], self._rows_sampling(),
+                            [r.request.emitted for r in self.rows], k, self.verify, coupled=False)
+        back = [k - a for a in result.accepted]
+        self.kv.trim_rows(back)
+        self.drafter.rollback(back)
+        for row, run in zip(self.rows, result.emitted):
+            for token in run:
+                if row.request.emit(token):
+                    break  # finished inside the accepted run: nothing after it
+            row.prev, row.pending = (run[-2] if len(run) > 1 else row.pending), run[-1]
+        self.rounds += 1
+        return result
 
     def reap(self) -> list[Request]:
         """Remove finished and cancelled rows (between settled rounds); return them."""
@@ -79,6 +141,8 @@ class BatchLoop:
         keep = [i for i in range(self.width) if i not in gone]
         out = [self.rows[i].request for i in gone]
         self.kv.filter(keep)
+        if self.armed:
+            self.drafter.filter(keep)
         self.rows = [self.rows[i] for i in keep]
         self._sampling = None
         return out
@@ -88,6 +152,7 @@ class BatchLoop:
         out = [r.request for r in self.rows]
         self.rows, self._lookahead, self._sampling = [], None, None
         self.kv = BatchKV.empty(self.target.n_layers)
+        self.disarm()
         return out
 
     # -- plain rounds -----------------------------------------------------------------
@@ -128,3 +193,7 @@ class BatchLoop:
         """Consume an in-flight lookahead (emitting its tokens); a no-op when settled."""
         return 0 if self.settled else self.plain_round(successor=False)
 
+
+
+def _history(row: Row) -> list[int]:
+    return row.request.prompt + row.request.tokens

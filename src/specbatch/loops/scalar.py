@@ -1,0 +1,105 @@
+"""The scalar loop: one request decoding alone, speculating with coupled sampling.
+
+Drafts use the target's own position-keyed noise, so a sampled draft is accepted
+against a sampled target whenever both land on the same token: the highest acceptance,
+and no batch bookkeeping. Tokens go out one at a time (``step``); the loop can be
+closed between any two, and ``close`` returns a ``Handoff`` from which the batch loop
+rebuilds the request without losing, repeating or re-sampling a token.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import attrs
+import mlx.core as mx
+
+from ..request import Request
+from ..runner import TargetRunner, prefill
+from ..sampling import RowSampling, positions_from, sample
+from .verify import RoundResult, spec_round
+
+
+@attrs.frozen
+class Handoff:
+    """A closed scalar generation, ready to rebuild in the batch loop.
+
+    ``undelivered``: the round's verified tokens not yet emitted (they go out first; their
+    KV is already in ``target_cache``). ``pending``: the bonus token the next round starts
+    from. ``emitted``: the real emitted count at close time.
+    """
+
+    request: Request
+    undelivered: list[int]
+    pending: int
+    prev: int
+    emitted: int
+    target_cache: list
+    drafter: object | None
+
+
+class ScalarLoop:
+    """One request; speculative rounds with coupled drafting (or plain without a drafter)."""
+
+    def __init__(self, target: TargetRunner, drafter, request: Request, k: int, verify: str = "coupled"):
+        self.target, self.drafter, self.request = target, drafter, request
+        self.k, self.verify = k, verify
+        self.cache = target.make_cache()
+        self._buffer: collections.deque[int] = collections.deque()
+        self._rows = RowSampling.of([request.params])
+        self.pending = self.prev = -1
+        self.last_round: RoundResult | None = None
+
+    def start(self, cache: list | None = None) -> None:
+        """Prefill, emit the first token, and prefill the drafter's copy of the history."""
+        if cache is not None:
+            self.cache = cache
+        have = self.cache[0].offset if self.cache[0].keys is not None else 0
+        logits = prefill(self.target, self.request.prompt[have:], self.cache)
+        first = sample(logits[:, None, :], self._rows, positions_from([0], 1)).item()
+        self.prev, self.pending = self.request.prompt[-1], first
+        if not self.request.emit(first) and self.drafter is not None:
+            self.drafter.add_rows([self.request.prompt + [first]])
+
+    @property
+    def finished(self) -> bool:
+        return self.request.finished
+
+    def step(self) -> int:
+        """Deliver one token (running a round when none is buffered); returns 1."""
+        self.last_round = None
+        if not self._buffer:
+            self._round()
+        token = self._buffer.popleft()
+        if self.request.emit(token):
+            self._buffer.clear()  # nothing after a finish goes out
+        return 1
+
+    def _round(self) -> None:
+        k = min(self.k, self.request.remaining - 1)
+        if self.drafter is None or k < 1:
+            self._plain()
+            return
+        result = spec_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
+                            [self.request.emitted], k, self.verify, coupled=True)
+        a = result.accepted[0]
+        for c in self.cache:
+            c.trim(k - a)
+        self.drafter.rollback([k - a])
+        run = result.emitted[0]
+        self.prev, self.pending = (run[-2] if len(run) > 1 else self.pending), run[-1]
+        self._buffer.extend(run)
+        self.last_round = result
+
+    def _plain(self) -> None:
+        logits = self.target.forward(mx.array([[self.pending]], dtype=mx.int32), self.cache)
+        token = sample(logits, self._rows, positions_from([self.request.emitted], 1)).item()
+        self.prev, self.pending = self.pending, token
+        self._buffer.append(token)
+
+    def close(self) -> Handoff:
+        """Stop here (usually mid-round) and hand everything to the batch loop."""
+        handoff = Handoff(self.request, list(self._buffer), self.pending, self.prev,
+                          self.request.emitted, self.cache, self.drafter)
+        self._buffer.clear()
+        return handoff

@@ -1,0 +1,237 @@
+"""The speculative-batching state machine: Scalar, Batched, Gated.
+
+    [*] --> Scalar: first request          Scalar --> [*]: request finishes, no waiters
+    Scalar --> Batched: waiters (preempt)  Batched --> Gated: over the cap
+    Gated --> Batched: back within the cap (re-arm)
+    Batched --> [*], Gated --> [*]: last row finishes
+
+``Idle`` is the diagram's ``[*]``. The machine decides; the loops run rounds. Guards are
+pure (``may_<trigger>()`` evaluates them too); hooks only call loop methods.
+Vocabulary: *width* = rows in the batch; *cap* = ``speculative_width_cap``, the widest
+batch that still speculates (inclusive; 0 = uncapped).
+"""
+
+from __future__ import annotations
+
+import structlog
+from transitions import Machine
+
+from .drafters.model import ModelDrafter
+from .loops.batch import BatchLoop
+from .loops.scalar import ScalarLoop
+from .runner import ModelRunner
+from .scheduler import admit_each, take
+
+log = structlog.get_logger(__name__)
+
+STATES = ["Idle", "Scalar", "Batched", "Gated"]
+
+# trigger, source, dest, guard, hook, why (the chart shows trigger and guard)
+TRANSITIONS = [
+    ("start_scalar", "Idle", "Scalar", "lone_arrival", "begin_scalar", "first request"),
+    ("start_batch", "Idle", "Batched", "burst_within_cap", "begin_batch",
+     "added: a burst of arrivals at idle goes straight to the batch loop"),
+    ("start_plain", "Idle", "Gated", "plain_arrivals", "begin_batch",
+     "added: no drafter, speculation off, or a burst over the cap"),
+    ("finish", "Scalar", "Idle", "scalar_done", "end_scalar", "request finishes, no waiters"),
+    ("preempt", "Scalar", "Batched", "waiters_behind_scalar", "do_preempt", "waiters arrive"),
+    ("gate", "Batched", "Gated", "over_cap", "do_gate", "over the cap"),
+    ("rearm", "Gated", "Batched", "rearm_pays", "do_rearm", "back within the cap"),
+    ("drain", ["Batched", "Gated"], "Idle", "no_rows", "end_batch", "last row finishes"),
+]
+
+
+def build_machine(model, cls=Machine, **kw) -> Machine:
+    """The transitions machine over ``model`` (a SpecMachine, or a stub for charts)."""
+    table = [dict(trigger=t, source=s, dest=d, conditions=g, after=h) for t, s, d, g, h, _ in TRANSITIONS]
+    return cls(model=model, states=STATES, transitions=table, initial="Idle",
+               auto_transitions=False, queued=True, **kw)
+
+
+class SpecMachine:
+    """The engine's scheduler: one state, one loop object at a time."""
+
+    def __init__(self, target, drafter, config, stats):
+        self.runner = ModelRunner(target.model)
+        self.draft_model = drafter.model if drafter is not None and config.speculation else None
+        self.config, self.stats = config, stats
+        self.scalar: ScalarLoop | None = None
+        self.batch: BatchLoop | None = None
+        self.waiting, self.more_coming, self.done = None, False, []
+        self.machine = build_machine(self)
+
+    # -- guards (pure) ------------------------------------------------------------------
+    @property
+    def speculative(self) -> bool:
+        return self.draft_model is not None and self.config.speculation
+
+    def lone_arrival(self) -> bool:
+        return self.speculative and len(self.waiting) == 1
+
+    def burst_within_cap(self) -> bool:
+        n = min(len(self.waiting), self.config.max_batch)
+        return self.speculative and n >= 2 and self.config.speculates_at(n)
+
+    def plain_arrivals(self) -> bool:
+        return bool(self.waiting) and not self.lone_arrival() and not self.burst_within_cap()
+
+    def scalar_done(self) -> bool:
+        return self.scalar.request.finished or self.scalar.request.cancel_requested
+
+    def waiters_behind_scalar(self) -> bool:
+        first_token_out = self.scalar.request.emitted >= 1
+        return bool(self.waiting) and self.config.preempt and first_token_out and not self.scalar_done()
+
+    def over_cap(self) -> bool:
+        arriving = min(len(self.waiting), self.config.max_batch - self.batch.width)
+        return not self.config.speculates_at(self.batch.width + arriving)
+
+    def rearm_pays(self) -> bool:
+        rows = self.batch.rows
+        live = [r.request.remaining for r in rows if not r.request.finished]
+        return (self.speculative and self.config.resume and not self.waiting and bool(live)
+                and self.config.speculates_at(len(rows)) and max(live) >= self.config.rearm_min_remaining)
+
+    def no_rows(self) -> bool:
+        return self.batch.width == 0
+
+    # -- hooks ------------------------------------------------------------------------
+    def begin_scalar(self) -> None:
+        request = self.waiting.popleft()
+        self.scalar = ScalarLoop(self.runner, ModelDrafter(self.draft_model, batch=False), request,
+                                 self.config.num_draft_tokens, self.config.verify)
+        self.scalar.start()
+        log.info("admit", request=request.id, loop="scalar", prompt_tokens=len(request.prompt))
+
+    def begin_batch(self) -> None:
+        self.batch = self._new_batch()
+        self.done += admit_each(self.batch, take(self.waiting, self.config.max_batch))
+
+    def end_scalar(self) -> None:
+        self.done.append(self.scalar.request)
+        self.scalar = None
+
+    def do_preempt(self) -> None:
+        handoff = self.scalar.close()
+        handoff.request.retire = False  # its prefix is not offered back to the prompt cache
+        self.batch, self.scalar = self._new_batch(), None
+        self.batch.rebuild(handoff)
+        log.info("preempt", request=handoff.request.id, undelivered=len(handoff.undelivered),
+                 emitted=handoff.emitted, waiters=len(self.waiting))
+        if handoff.request.finished:
+            self.done += self.batch.reap()
+
+    def do_gate(self) -> None:
+        self.batch.disarm()
+        log.info("gate", width=self.batch.width, waiting=len(self.waiting), cap=self.config.speculative_width_cap)
+
+    def do_rearm(self) -> None:
+        self._capture()
+
+    def end_batch(self) -> None:
+        self.batch = None
+
+    # -- rounds, by state ------------------------------------------------------------------
+    def step(self, waiting, more_coming: bool):
+        self.waiting, self.more_coming, self.done = waiting, more_coming, []
+        getattr(self, f"_round_{self.state.lower()}")()
+        return self.done
+
+    def _round_idle(self) -> None:
+        for trigger in ("start_scalar", "start_batch", "start_plain"):
+            if self._fire(trigger):
+                return
+
+    def _round_scalar(self) -> None:
+        if self._fire("finish") or self._fire("preempt"):
+            return
+        self.stats.rounds += self.scalar.step()
+        if self.scalar.last_round is not None:
+            r = self.scalar.last_round
+            self.stats.record_round([r.drafted], r.accepted, len(r.emitted[0]))
+
+    def _round_batched(self) -> None:
+        if self.waiting and self._fire("gate"):
+            return  # the drain runs first: over the cap, admission happens gated
+        self.done += self.batch.reap()
+        if self.waiting:
+            self.done += admit_each(self.batch, take(self.waiting, self.config.max_batch - self.batch.width))
+        if self._fire("drain"):
+            return
+        if not self.batch.armed:
+            self._capture()
+            return
+        result = self.batch.spec_round()
+        self.stats.rounds += 1
+        if result is not None:
+            self.stats.record_round([result.drafted] * len(result.accepted), result.accepted,
+                                    sum(len(e) for e in result.emitted))
+        self.done += self.batch.reap()
+        self._fire("drain")
+
+    def _round_gated(self) -> None:
+        loop = self.batch
+        if self.waiting or any(r.request.finished or r.request.cancel_requested for r in loop.rows):
+            loop.settle()
+            self.done += loop.reap()
+            self.done += admit_each(loop, take(self.waiting, self.config.max_batch - loop.width))
+        if self._fire("drain") or self._fire("rearm"):
+            return
+        loop.plain_round(successor=not (self.more_coming or self.waiting))
+        self.stats.rounds += 1
+        if loop.settled:
+            self.done += loop.reap()
+
+    def _capture(self) -> None:
+        emitted = self.batch.capture_round()
+        self.stats.rounds += 1
+        log.info("capture", width=self.batch.width, emitted=emitted)
+
+    def _new_batch(self) -> BatchLoop:
+        drafter = ModelDrafter(self.draft_model) if self.speculative else None
+        return BatchLoop(self.runner, drafter, self.config.num_draft_tokens, self.config.verify)
+
+    def _fire(self, trigger: str) -> bool:
+        before = self.state
+        getattr(self, trigger)()
+        if self.state == before:
+            return False
+        self.stats.transitions[f"{before}->{self.state}"] += 1
+        log.info("transition", trigger=trigger, source=before, dest=self.state, width=self.width,
+                 cap=self.config.speculative_width_cap)
+        return True
+
+    # -- what the engine reads ------------------------------------------------------------
+    @property
+    def width(self) -> int:
+        return 1 if self.scalar else (self.batch.width if self.batch else 0)
+
+    @property
+    def busy(self) -> bool:
+        return self.state != "Idle"
+
+    def requests(self):
+        if self.scalar:
+            return [self.scalar.request]
+        return [r.request for r in self.batch.rows] if self.batch else []
+
+    def recover(self):
+        """A round raised: fail the rows it touched, go back to Idle, keep serving."""
+        failed = self.requests()
+        self.scalar, self.batch = None, None
+        self.stats.transitions[f"{self.state}->Idle"] += 1
+        self.machine.set_state("Idle", model=self)
+        return failed
+
+    def gauges(self) -> dict:
+        kv = self.batch.kv if self.batch else None
+        drafter = self.batch.drafter if self.batch and self.batch.drafter else None
+        scalar_kv = sum(c.nbytes for c in self.scalar.cache) if self.scalar else 0
+        return {"state": self.state, "width": self.width,
+                "kv_bytes": (kv.nbytes if kv else 0) + scalar_kv,
+                "kv_used_bytes": kv.used_bytes() if kv else scalar_kv,
+                "drafter_kv_bytes": drafter.nbytes() if drafter else 0}
+
+    def shutdown(self) -> None:
+        self.scalar, self.batch = None, None
+

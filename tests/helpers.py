@@ -1,0 +1,59 @@
+"""Building requests and loops directly (no engine thread) for exact loop tests."""
+
+from __future__ import annotations
+
+from specbatch.detok import TextStream
+from specbatch.drafters.model import ModelDrafter
+from specbatch.loops.batch import BatchLoop
+from specbatch.loops.scalar import ScalarLoop
+from specbatch.request import Request, RequestHandle
+from specbatch.runner import ModelRunner
+from specbatch.sampling import SamplingParams
+
+
+def make_request(loaded, prompt, **params) -> Request:
+    ids = list(loaded.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+    sp = SamplingParams(**{"seed": 0, **params})
+    return Request(ids, sp, TextStream(loaded.tokenizer, sp.stop), RequestHandle("t", sp.seed, len(ids)),
+                   frozenset(loaded.tokenizer.eos_token_ids))
+
+
+def run_plain(target, prompt, **params) -> list[int]:
+    loop = BatchLoop(ModelRunner(target.model))
+    request = make_request(target, prompt, **params)
+    loop.admit(request)
+    while not request.finished:
+        loop.plain_round()
+    loop.settle()
+    return request.tokens
+
+
+def run_scalar(target, drafter, prompt, k=4, verify="coupled", **params):
+    request = make_request(target, prompt, **params)
+    loop = ScalarLoop(ModelRunner(target.model), ModelDrafter(drafter.model, batch=False), request, k, verify)
+    loop.start()
+    rounds = []
+    while not loop.finished:
+        loop.step()
+        if loop.last_round:
+            rounds.append(loop.last_round)
+    return request.tokens, rounds
+
+
+def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, params=None):
+    loop = BatchLoop(ModelRunner(target.model), ModelDrafter(drafter.model) if drafter else None, k, verify)
+    requests = [make_request(target, p, **(params[i] if params else {})) for i, p in enumerate(prompts)]
+    for r in requests:
+        loop.admit(r)
+    rounds = []
+    if armed and loop.width:
+        loop.capture_round()
+    while loop.width:
+        if armed:
+            result = loop.spec_round()
+            if result:
+                rounds.append(result)
+        else:
+            loop.plain_round(successor=False)
+        loop.reap()
+    return [r.tokens for r in requests], rounds

@@ -1,0 +1,107 @@
+"""Both speculative loops emit exactly the target's own stream; handoffs lose nothing."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import make_request, run_batch, run_plain, run_scalar
+
+from specbatch.drafters.model import ModelDrafter
+from specbatch.loops.batch import BatchLoop
+from specbatch.loops.scalar import ScalarLoop
+from specbatch.runner import ModelRunner
+
+PROMPTS = ["def f(x):", "import os\n", "class A:\n    pass\n" * 2, "x = 1", "# c\n" * 6, "return", "while 1:", "y"]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_scalar_and_batch_equal_plain(tiny, tiny_draft, k):
+    budgets = [5 + 3 * i for i in range(8)]
+    plain = [run_plain(tiny, p, max_tokens=b, ignore_eos=True) for p, b in zip(PROMPTS, budgets)]
+    for p, b, ref in zip(PROMPTS[:3], budgets, plain):
+        assert run_scalar(tiny, tiny_draft, p, k=k, max_tokens=b, ignore_eos=True)[0] == ref
+    for width in (1, 3, 8):
+        out, _ = run_batch(tiny, tiny_draft, PROMPTS[:width], k=k,
+                           params=[dict(max_tokens=b, ignore_eos=True) for b in budgets[:width]])
+        assert out == plain[:width], width
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.8, 1.0), (1.0, 0.9)])
+def test_seeded_sampling_equals_plain(tiny, tiny_draft, temperature, top_p):
+    params = [dict(max_tokens=14, temperature=temperature, top_p=top_p, seed=40 + i, ignore_eos=True) for i in range(6)]
+    plain = [run_plain(tiny, p, **kw) for p, kw in zip(PROMPTS, params)]
+    for drafter in (tiny, tiny_draft):  # a good drafter and a random one
+        assert [run_scalar(tiny, drafter, p, **kw)[0] for p, kw in zip(PROMPTS[:3], params)] == plain[:3]
+        assert run_batch(tiny, drafter, PROMPTS[:6], params=params)[0] == plain
+
+
+def test_self_draft_oracle_accepts_everything(tiny):
+    tokens, rounds = run_scalar(tiny, tiny, "def f(x):", k=4, max_tokens=41, ignore_eos=True)
+    accepted = sum(r.accepted[0] for r in rounds)
+    drafted = sum(r.drafted for r in rounds)
+    assert accepted / drafted >= 0.98
+    assert len(tokens) - 1 == sum(len(r.emitted[0]) for r in rounds)  # the first came from prefill
+    assert sum(len(r.emitted[0]) for r in rounds) / len(rounds) == pytest.approx(5, abs=0.2)
+    _, brounds = run_batch(tiny, tiny, PROMPTS[:4], k=4, params=[dict(max_tokens=30, ignore_eos=True)] * 4)
+    acc = sum(sum(r.accepted) for r in brounds) / sum(r.drafted * len(r.accepted) for r in brounds)
+    assert acc >= 0.98
+
+
+def test_random_drafter_accepts_almost_nothing(tiny, tiny_draft):
+    _, rounds = run_scalar(tiny, tiny_draft, "def f(x):", k=4, max_tokens=40, ignore_eos=True)
+    assert sum(r.accepted[0] for r in rounds) / sum(r.drafted for r in rounds) < 0.2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_close_anywhere_and_rebuild_in_batch(tiny, temperature):
+    kw = dict(max_tokens=30, temperature=temperature, seed=5, ignore_eos=True)
+    reference, _ = run_scalar(tiny, tiny, "def g(a, b):", k=4, **kw)
+    for delivered in range(1, 12):  # every position within the first rounds
+        request = make_request(tiny, "def g(a, b):", **kw)
+        scalar = ScalarLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model, batch=False), request, 4)
+        scalar.start()
+        while request.emitted < delivered:
+            scalar.step()
+        handoff = scalar.close()
+        assert handoff.emitted == delivered
+        batch = BatchLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model), 4)
+        batch.rebuild(handoff)
+        held = request.prompt + request.tokens[:-1]  # everything before the pending token
+        assert batch.kv.lengths() == [len(held)]
+        assert batch.rows[0].pending == request.tokens[-1]
+        fresh = tiny.model.make_cache()
+        tiny.model(mx.array(held)[None], cache=fresh)
+        assert mx.allclose(batch.kv.layers[0].keys[0, :, :len(held)], fresh[0].keys[0, :, :len(held)], atol=1e-4)
+        batch.capture_round()
+        assert batch.drafter.kv.lengths() == [len(request.prompt) + request.emitted - 2]
+        while not request.finished:
+            batch.spec_round()
+        assert request.tokens == reference, delivered
+
+
+def test_stops_inside_an_accepted_run(tiny):
+    ref = run_plain(tiny, "def f(x):", max_tokens=40, ignore_eos=True)
+    stop_at = 9
+    out, _ = run_scalar(tiny, tiny, "def f(x):", k=8, max_tokens=40, stop_token_ids=[ref[stop_at]], ignore_eos=True)
+    assert out == ref[:ref.index(ref[stop_at]) + 1]
+    outs, _ = run_batch(tiny, tiny, ["def f(x):", "x = 1"], k=8,
+                        params=[dict(max_tokens=40, stop_token_ids=[ref[stop_at]], ignore_eos=True),
+                                dict(max_tokens=40, ignore_eos=True)])
+    assert outs[0] == ref[:ref.index(ref[stop_at]) + 1] and len(outs[1]) == 40
+    text = tiny.tokenizer.decode(ref)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    request = make_request(tiny, "def f(x):", max_tokens=40, stop=[stop], ignore_eos=True)
+    scalar = ScalarLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model, batch=False), request, 8)
+    scalar.start()
+    while not scalar.finished:
+        scalar.step()
+    assert request.finish_reason == "stop" and stop not in request.stream.text
+    assert text.startswith(request.stream.text)
+
+
+def test_budget_edges(tiny):
+    assert len(run_scalar(tiny, tiny, "x", k=8, max_tokens=1)[0]) == 1
+    assert len(run_scalar(tiny, tiny, "x", k=8, max_tokens=3, ignore_eos=True)[0]) == 3
+    near = [7] * (tiny.context_length - 4)
+    out, _ = run_scalar(tiny, tiny, near, k=8, max_tokens=4, ignore_eos=True)
+    assert out == run_plain(tiny, near, max_tokens=4, ignore_eos=True)
