@@ -105,11 +105,14 @@ def batch_at(data: np.ndarray, step: int, seed: int, bsz: int, seq: int) -> mx.a
     return mx.array(np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int32))
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+def lr_at(step: int, frac: float, peak: float, warmup: int) -> float:
+    """Linear warmup by step, then cosine to 10% over the *time* budget.
+
+    Time, not steps: the machine is shared, so step rates vary and a step-sized
+    schedule would end with the learning rate still high."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 def save_ckpt(d: Path, model, opt, meta: dict) -> None:
@@ -145,9 +148,7 @@ def train_phase(role, model, loss_fn, data, args, minutes, work: Path, peak_lr):
     last_save, t0, ema = time.time(), time.time() - meta["elapsed"], None
     while time.time() - t0 < budget:
         step = meta["step"]
-        if meta["total"] == 0 and step == 20:  # size the schedule from measured speed
-            meta["total"] = int(budget / ((time.time() - t0) / 20))
-        opt.learning_rate = lr_at(step, max(meta["total"], 10**6), peak_lr, args.warmup)
+        opt.learning_rate = lr_at(step, (time.time() - t0) / budget, peak_lr, args.warmup)
         loss = step_fn(batch_at(data, step, args.seed, args.batch, args.seq))
         mx.eval(state)
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()

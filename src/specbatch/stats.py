@@ -21,6 +21,7 @@ class EngineStats:
     spec_emitted: int = 0
     acceptance_histogram: collections.Counter = attrs.field(factory=collections.Counter)
     transitions: collections.Counter = attrs.field(factory=collections.Counter)
+    spec_widths: collections.Counter = attrs.field(factory=collections.Counter)  # verify rounds by width
 
     def record_finish(self, request) -> None:
         self.finished += 1
@@ -31,6 +32,7 @@ class EngineStats:
     def record_round(self, drafted: list[int], accepted: list[int], emitted: int) -> None:
         """One verify round: per-row drafted and accepted counts, tokens emitted in all."""
         self.spec_rounds += 1
+        self.spec_widths[len(accepted)] += 1
         self.drafted_tokens += sum(drafted)
         self.accepted_tokens += sum(accepted)
         self.spec_emitted += emitted
@@ -53,6 +55,7 @@ class EngineStats:
             "tokens_per_round": (self.accepted_tokens + rows) / rows if rows else 0.0,
             "acceptance_histogram": dict(sorted(self.acceptance_histogram.items())),
             "transitions": dict(self.transitions),
+            "spec_widths": dict(sorted(self.spec_widths.items())),
             "queue_depth": queue_depth,
             **scheduler.gauges(),
         }

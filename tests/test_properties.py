@@ -1,0 +1,103 @@
+"""Random schedules (arrivals, budgets, caps, k, temperatures, cancels, switches) never
+change a stream: each equals its request decoded alone with the same seed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers import run_plain
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+
+from specbatch import Engine, SamplingParams
+from specbatch.config import EngineConfig
+from specbatch.fake import FakeModel
+from specbatch.machine import TRANSITIONS
+from specbatch.models import LoadedModel
+
+EDGES = {f"{s}->{d}" for _, src, d, *_ in TRANSITIONS for s in (src if isinstance(src, list) else [src])}
+
+
+class Schedules(RuleBasedStateMachine):
+    target: LoadedModel
+    drafters: list
+
+    def __init__(self):
+        super().__init__()
+        self.engine = None
+        self.jobs = []
+
+    @initialize(cap=st.integers(0, 4), k=st.integers(1, 6), preempt=st.booleans(), resume=st.booleans(),
+                drafter=st.integers(0, 1), verify=st.sampled_from(["coupled", "coupled", "rejection"]))
+    def start(self, cap, k, preempt, resume, drafter, verify):
+        self.cap, self.verify = cap, verify
+        config = EngineConfig(num_draft_tokens=k, speculative_width_cap=cap, preempt=preempt,
+                              resume=resume, rearm_min_remaining=3, verify=verify)
+        self.engine = Engine(self.target, self.drafters[drafter], config)
+
+    @rule(length=st.integers(1, 10), budget=st.integers(1, 24), temperature=st.sampled_from([0.0, 0.0, 0.8, 1.0]),
+          top_p=st.sampled_from([1.0, 0.9]), seed=st.integers(0, 2**32 - 1), salt=st.integers(0, 400))
+    def submit(self, length, budget, temperature, top_p, seed, salt):
+        prompt = [(salt + 7 * i) % 500 + 3 for i in range(length)]
+        params = SamplingParams(max_tokens=budget, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
+        self.jobs.append((prompt, params, self.engine.submit(prompt, params)))
+
+    @rule(which=st.integers(0, 50))
+    def cancel(self, which):
+        if self.jobs:
+            self.engine.cancel(self.jobs[which % len(self.jobs)][2])
+
+    @rule(ms=st.integers(0, 15))
+    def wait(self, ms):
+        time.sleep(ms / 1000)
+
+    def teardown(self):
+        if self.engine is None:
+            return
+        try:
+            self.check()
+        finally:
+            self.engine.close()
+
+    def check(self):
+        for prompt, params, handle in self.jobs:
+            done = handle.result(120)
+            events = list(handle)
+            finals = [e for e in events if e.finish_reason is not None]
+            assert len(finals) == 1 and events[-1] is finals[0], "finishes exactly once"
+            if self.verify == "rejection" and params.temperature > 0:
+                continue  # rejection sampling's output depends on drafts by design
+            alone = run_plain(self.target, prompt, **{f: getattr(params, f) for f in
+                              ("max_tokens", "temperature", "top_p", "seed", "ignore_eos")})
+            if done.finish_reason == "cancelled":
+                assert done.token_ids == alone[:len(done.token_ids)]
+            else:
+                assert done.token_ids == alone
+        deadline = time.time() + 10
+        while self.engine.stats()["state"] != "Idle" and time.time() < deadline:
+            time.sleep(0.005)
+        stats = self.engine.stats()
+        assert set(stats["transitions"]) <= EDGES
+        if self.cap:
+            assert max(stats["spec_widths"], default=0) <= self.cap
+        assert stats["width"] == 0 and stats["kv_bytes"] == 0 and stats["drafter_kv_bytes"] == 0
+
+
+def run_schedules(target, drafters, examples, steps):
+    Schedules.target, Schedules.drafters = target, drafters
+    run_state_machine_as_test(Schedules, settings=settings(max_examples=examples, stateful_step_count=steps,
+                                                           deadline=None))
+
+
+def test_schedules_on_the_fake_kernel(tiny):
+    target = LoadedModel(FakeModel(), tiny.tokenizer, "fake-target", 4096)
+    drafters = [LoadedModel(FakeModel(skew=0.0), tiny.tokenizer, "fake-oracle", 4096),
+                LoadedModel(FakeModel(skew=3.0, salt=1), tiny.tokenizer, "fake-skewed", 4096)]
+    run_schedules(target, drafters, examples=40, steps=14)
+
+
+@pytest.mark.slow
+def test_schedules_on_tiny_mlx_models(tiny, tiny_draft):
+    run_schedules(tiny, [tiny, tiny_draft], examples=10, steps=10)
