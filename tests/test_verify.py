@@ -41,7 +41,7 @@ def test_rejection_sampling_reproduces_the_target_distribution(temperature, top_
         assert len(emitted) > 800
         freq = [emitted.count(v) / len(emitted) for v in range(V)]
         assert freq == pytest.approx(want, abs=0.035), (i, freq, want)
-    assert 0.3 < sum(accepted) / (B * k) < 0.9  # neither trivial nor total
+    assert 0.15 < sum(accepted) / (B * k) < 0.9  # neither trivial nor total
 
 
 def rows_one(temperature, top_p):
