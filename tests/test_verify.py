@@ -52,7 +52,7 @@ def test_greedy_rows_fall_back_to_exact_match():
     logits = mx.random.normal((2, 3, 16), key=mx.random.key(1))
     greedy = logits.argmax(-1)
     drafts = mx.stack([greedy[0, :2], mx.array([0, 0])])
-    rows = RowSampling.of([SamplingParams(), SamplingParams()])
+    rows = RowSampling.of([SamplingParams(seed=1), SamplingParams(seed=2)])
     tokens, accepted = verify_rejection(logits, logits[:, :2], drafts.astype(mx.int32), rows, [0, 0])
     assert tokens.tolist() == greedy.tolist()
     assert accepted.tolist()[0] == 2
