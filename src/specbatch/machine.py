@@ -147,8 +147,7 @@ class SpecMachine:
             return
         self.stats.rounds += self.scalar.step()
         if self.scalar.last_round is not None:
-            r = self.scalar.last_round
-            self.stats.record_round([r.drafted], r.accepted, len(r.emitted[0]))
+            self.stats.record_round([self.scalar.request], self.scalar.last_round)
 
     def _round_batched(self) -> None:
         if self.waiting and self._fire("gate"):
@@ -161,11 +160,11 @@ class SpecMachine:
         if not self.batch.armed:
             self._capture()
             return
+        requests = [r.request for r in self.batch.rows]
         result = self.batch.spec_round()
         self.stats.rounds += 1
         if result is not None:
-            self.stats.record_round([result.drafted] * len(result.accepted), result.accepted,
-                                    sum(len(e) for e in result.emitted))
+            self.stats.record_round(requests, result)
         self.done += self.batch.reap()
         self._fire("drain")
 

@@ -44,6 +44,19 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+@attrs.define
+class SpecStats:
+    """Per request: verify rounds it took part in, tokens drafted for it, accepted."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
 @attrs.frozen
 class Completion:
     request_id: str
@@ -53,6 +66,7 @@ class Completion:
     usage: Usage
     seed: int
     error: str | None = None
+    spec: SpecStats = attrs.field(factory=SpecStats)
 
 
 class RequestHandle:
@@ -118,6 +132,7 @@ class Request:
     retire: bool = True  # offer the KV back to the prompt cache; preempted requests don't
     submitted_at: float = attrs.field(factory=time.perf_counter)
     first_token_at: float | None = None
+    spec: SpecStats = attrs.field(factory=SpecStats)
 
     @property
     def emitted(self) -> int:
@@ -163,4 +178,4 @@ class Request:
         self.finish_reason = reason
         self.handle._complete(Completion(
             self.id, self.stream.text, list(self.tokens), reason,
-            Usage(len(self.prompt), len(self.tokens)), self.params.seed, error))
+            Usage(len(self.prompt), len(self.tokens)), self.params.seed, error, attrs.evolve(self.spec)))

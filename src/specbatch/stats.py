@@ -29,15 +29,18 @@ class EngineStats:
         self.prompt_tokens += len(request.prompt)
         self.generated_tokens += request.emitted
 
-    def record_round(self, drafted: list[int], accepted: list[int], emitted: int) -> None:
-        """One verify round: per-row drafted and accepted counts, tokens emitted in all."""
+    def record_round(self, requests: list, result) -> None:
+        """One verify round (a ``RoundResult``) over ``requests``, row by row."""
         self.spec_rounds += 1
-        self.spec_widths[len(accepted)] += 1
-        self.drafted_tokens += sum(drafted)
-        self.accepted_tokens += sum(accepted)
-        self.spec_emitted += emitted
-        for a in accepted:
-            self.acceptance_histogram[a] += 1
+        self.spec_widths[len(requests)] += 1
+        for request, accepted, run in zip(requests, result.accepted, result.emitted):
+            self.drafted_tokens += result.drafted
+            self.accepted_tokens += accepted
+            self.spec_emitted += len(run)
+            self.acceptance_histogram[accepted] += 1
+            request.spec.drafted += result.drafted
+            request.spec.accepted += accepted
+            request.spec.rounds += 1
 
     def snapshot(self, scheduler, queue_depth: int) -> dict:
         rows = sum(self.acceptance_histogram.values())
