@@ -16,14 +16,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="widest batch that still speculates (0 = uncapped)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per round (k)")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 | auto")
+    p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("-v", "--verbose", action="store_true")
 
 
-def _engine(args):
+def _engine(args, **options):
     from . import Engine
     return Engine.from_pretrained(args.model, args.draft_model, speculation=not args.no_speculation,
                                   speculative_width_cap=args.speculative_width_cap,
-                                  num_draft_tokens=args.num_draft_tokens, dtype=args.dtype)
+                                  num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, **options)
 
 
 def cmd_generate(args) -> int:
@@ -42,6 +43,11 @@ def cmd_generate(args) -> int:
             print(f"[{done.finish_reason}] {done.usage.completion_tokens} tokens, seed {done.seed}; "
                   f"stats {engine.stats()}", file=sys.stderr)
     return 0
+
+
+def cmd_serve(args) -> int:
+    from .server.serve import serve
+    return serve(args, _engine(args, max_queue=args.max_queue))
 
 
 def cmd_demo(args) -> int:
@@ -71,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     _model_args(g)
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=256)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or SPECBATCH_API_KEY)")
+    sv.add_argument("--max-body", type=int, default=1 << 20, help="request body limit, bytes")
+    sv.add_argument("--served-model-name", default=None)
+    _model_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="staggered concurrent requests, live transitions, a summary")
     d.add_argument("--requests", type=int, default=6)

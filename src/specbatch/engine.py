@@ -94,7 +94,8 @@ class Engine:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.target.vocab_size})", "prompt")
         return ids
 
-    def _make_request(self, prompt, params) -> Request:
+    def prepare(self, prompt, params=None) -> Request:
+        """Validate and build a request without queueing it (raises on bad input)."""
         if self._closing:
             raise EngineClosed("engine is closed")
         if params is None:
@@ -122,7 +123,7 @@ class Engine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> RequestHandle:
         """Queue a request and return its handle at once."""
-        request = self._make_request(prompt, params)
+        request = self.prepare(prompt, params)
         self._enqueue(request)
         return request.handle
 
@@ -134,7 +135,11 @@ class Engine:
 
     async def stream(self, prompt, params=None):
         """``async for event in engine.stream(...)``; cancels the request if abandoned."""
-        request = self._make_request(prompt, params)
+        async for event in self.stream_request(self.prepare(prompt, params)):
+            yield event
+
+    async def stream_request(self, request: Request):
+        """Queue a prepared request and yield its events; cancel it if the consumer leaves."""
         events = request.handle._attach(asyncio.get_running_loop())
         self._enqueue(request)
         try:

@@ -17,8 +17,9 @@ import structlog
 from transitions import Machine
 
 from .drafters.model import ModelDrafter
-from .loops.batch import BatchLoop
+from .loops.batch import BatchLoop, held_tokens, retires
 from .loops.scalar import ScalarLoop
+from .prompt_cache import PromptCache
 from .runner import ModelRunner
 from .scheduler import admit_each, take
 
@@ -58,6 +59,7 @@ class SpecMachine:
         self.scalar: ScalarLoop | None = None
         self.batch: BatchLoop | None = None
         self.waiting, self.more_coming, self.done = None, False, []
+        self.prompt_cache = PromptCache(config.prompt_cache_bytes)
         self.machine = build_machine(self)
 
     # -- guards (pure) ------------------------------------------------------------------
@@ -100,15 +102,19 @@ class SpecMachine:
         request = self.waiting.popleft()
         self.scalar = ScalarLoop(self.runner, ModelDrafter(self.draft_model, batch=False), request,
                                  self.config.num_draft_tokens, self.config.verify)
-        self.scalar.start()
-        log.info("admit", request=request.id, loop="scalar", prompt_tokens=len(request.prompt))
+        cache, reused = self.prompt_cache.lookup(request.prompt)
+        self.scalar.start(cache)
+        log.info("admit", reused=reused, request=request.id, loop="scalar", prompt_tokens=len(request.prompt))
 
     def begin_batch(self) -> None:
         self.batch = self._new_batch()
-        self.done += admit_each(self.batch, take(self.waiting, self.config.max_batch))
+        self.done += admit_each(self.batch, take(self.waiting, self.config.max_batch), self.prompt_cache)
 
     def end_scalar(self) -> None:
-        self.done.append(self.scalar.request)
+        request = self.scalar.request
+        if retires(request):
+            self.prompt_cache.retire(held_tokens(request), self.scalar.cache)
+        self.done.append(request)
         self.scalar = None
 
     def do_preempt(self) -> None:
@@ -154,7 +160,8 @@ class SpecMachine:
             return  # the drain runs first: over the cap, admission happens gated
         self.done += self.batch.reap()
         if self.waiting:
-            self.done += admit_each(self.batch, take(self.waiting, self.config.max_batch - self.batch.width))
+            self.done += admit_each(self.batch, take(self.waiting, self.config.max_batch - self.batch.width),
+                                    self.prompt_cache)
         if self._fire("drain"):
             return
         if not self.batch.armed:
@@ -173,7 +180,7 @@ class SpecMachine:
         if self.waiting or any(r.request.finished or r.request.cancel_requested for r in loop.rows):
             loop.settle()
             self.done += loop.reap()
-            self.done += admit_each(loop, take(self.waiting, self.config.max_batch - loop.width))
+            self.done += admit_each(loop, take(self.waiting, self.config.max_batch - loop.width), self.prompt_cache)
         if self._fire("drain") or self._fire("rearm"):
             return
         loop.plain_round(successor=not (self.more_coming or self.waiting))
@@ -188,7 +195,9 @@ class SpecMachine:
 
     def _new_batch(self) -> BatchLoop:
         drafter = ModelDrafter(self.draft_model) if self.speculative else None
-        return BatchLoop(self.runner, drafter, self.config.num_draft_tokens, self.config.verify)
+        loop = BatchLoop(self.runner, drafter, self.config.num_draft_tokens, self.config.verify)
+        loop.retire = self.prompt_cache.retire
+        return loop
 
     def _fire(self, trigger: str) -> bool:
         before = self.state
@@ -229,7 +238,9 @@ class SpecMachine:
         return {"state": self.state, "width": self.width,
                 "kv_bytes": (kv.nbytes if kv else 0) + scalar_kv,
                 "kv_used_bytes": kv.used_bytes() if kv else scalar_kv,
-                "drafter_kv_bytes": drafter.nbytes() if drafter else 0}
+                "drafter_kv_bytes": drafter.nbytes() if drafter else 0,
+                "prompt_cache_hits": self.prompt_cache.hits, "prompt_cache_misses": self.prompt_cache.misses,
+                "prompt_cache_bytes": self.prompt_cache.nbytes, "prompt_cache_entries": len(self.prompt_cache)}
 
     def shutdown(self) -> None:
         self.scalar, self.batch = None, None

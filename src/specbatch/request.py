@@ -132,6 +132,8 @@ class Request:
     retire: bool = True  # offer the KV back to the prompt cache; preempted requests don't
     submitted_at: float = attrs.field(factory=time.perf_counter)
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps: list[float] = attrs.field(factory=list)  # inter-token latencies, seconds
     spec: SpecStats = attrs.field(factory=SpecStats)
 
     @property
@@ -150,8 +152,12 @@ class Request:
         """Deliver one token; True when the request has just finished (nothing after)."""
         if self.finished:
             raise RuntimeError(f"{self.id}: token after finish")
+        now = time.perf_counter()
         if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
+            self.first_token_at = now
+        else:
+            self.gaps.append(now - self.last_token_at)
+        self.last_token_at = now
         self.tokens.append(token)
         text = self.stream.add(token)
         reason = None

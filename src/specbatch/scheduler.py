@@ -32,12 +32,14 @@ class Scheduler(Protocol):
     def shutdown(self) -> None: ...
 
 
-def admit_each(loop: BatchLoop, requests: list[Request], **kw) -> list[Request]:
-    """Admit requests one by one; one that fails (or finishes at once) is returned."""
+def admit_each(loop: BatchLoop, requests: list[Request], prompt_cache=None) -> list[Request]:
+    """Admit requests one by one (reusing cached prefixes); one that fails or finishes at
+    once is returned."""
     done = []
     for request in requests:
         try:
-            loop.admit(request, **kw)
+            cache, _ = prompt_cache.lookup(request.prompt) if prompt_cache else (None, 0)
+            loop.admit(request, cache=cache)
         except Exception as exc:  # one bad request never takes down the batch
             log.exception("admit_failed", request=request.id, error=str(exc))
             request.abort("error", f"admission failed: {exc}")

@@ -7,6 +7,31 @@ import collections
 import attrs
 
 
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@attrs.define
+class Histogram:
+    """Cumulative-bucket latency histogram (Prometheus style), seconds."""
+
+    counts: list[int] = attrs.field(factory=lambda: [0] * (len(BUCKETS) + 1))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value: float) -> None:
+        i = next((j for j, b in enumerate(BUCKETS) if value <= b), len(BUCKETS))
+        self.counts[i] += 1
+        self.total += value
+        self.n += 1
+
+    def snapshot(self) -> dict:
+        cumulative, running = [], 0
+        for c in self.counts:
+            running += c
+            cumulative.append(running)
+        return {"buckets": dict(zip([*map(str, BUCKETS), "+Inf"], cumulative)), "sum": self.total, "count": self.n}
+
+
 @attrs.define
 class EngineStats:
     submitted: int = 0
@@ -22,12 +47,18 @@ class EngineStats:
     acceptance_histogram: collections.Counter = attrs.field(factory=collections.Counter)
     transitions: collections.Counter = attrs.field(factory=collections.Counter)
     spec_widths: collections.Counter = attrs.field(factory=collections.Counter)  # verify rounds by width
+    ttft: Histogram = attrs.field(factory=Histogram)
+    itl: Histogram = attrs.field(factory=Histogram)
 
     def record_finish(self, request) -> None:
         self.finished += 1
         self.finish_reasons[request.finish_reason or "cancelled"] += 1
         self.prompt_tokens += len(request.prompt)
         self.generated_tokens += request.emitted
+        if request.first_token_at is not None:
+            self.ttft.observe(request.first_token_at - request.submitted_at)
+        for gap in request.gaps:
+            self.itl.observe(gap)
 
     def record_round(self, requests: list, result) -> None:
         """One verify round (a ``RoundResult``) over ``requests``, row by row."""
@@ -60,5 +91,7 @@ class EngineStats:
             "transitions": dict(self.transitions),
             "spec_widths": dict(sorted(self.spec_widths.items())),
             "queue_depth": queue_depth,
+            "ttft_seconds": self.ttft.snapshot(),
+            "itl_seconds": self.itl.snapshot(),
             **scheduler.gauges(),
         }

@@ -46,6 +46,7 @@ class BatchLoop:
     def __init__(self, target: TargetRunner, drafter=None, k: int = 4, verify: str = "coupled"):
         self.target, self.drafter, self.k, self.verify = target, drafter, k, verify
         self.armed = False  # the drafter holds one row per loop row
+        self.retire = None  # callable(tokens, single caches): the prompt cache's intake
         self.rows: list[Row] = []
         self.kv = BatchKV.empty(target.n_layers)
         self._lookahead: mx.array | None = None  # [B] lazy tokens of a dispatched forward
@@ -140,6 +141,9 @@ class BatchLoop:
             return []
         keep = [i for i in range(self.width) if i not in gone]
         out = [self.rows[i].request for i in gone]
+        for i in gone:
+            if self.retire is not None and retires(self.rows[i].request):
+                self.retire(held_tokens(self.rows[i].request), self.kv.extract(i))
         self.kv.filter(keep)
         if self.armed:
             self.drafter.filter(keep)
@@ -197,3 +201,13 @@ class BatchLoop:
 
 def _history(row: Row) -> list[int]:
     return row.request.prompt + row.request.tokens
+
+
+def retires(request: Request) -> bool:
+    """Finished normally and not preempted: its KV may go to the prompt cache."""
+    return request.retire and request.finish_reason in ("stop", "length")
+
+
+def held_tokens(request: Request) -> list[int]:
+    """The tokens whose KV a finished row certainly holds: all but the last emitted."""
+    return request.prompt + request.tokens[:-1]

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: ASGI app, schemas, metrics."""

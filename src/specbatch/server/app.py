@@ -1,0 +1,176 @@
+"""The OpenAI-compatible ASGI app (Starlette). Handlers never block the engine thread:
+they submit, then await events through the engine's asyncio stream."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+
+import structlog
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import EngineClosed, InvalidRequest, QueueFull
+from .metrics import render_metrics
+from .schemas import APIError, Parsed, parse_chat, parse_completion
+
+log = structlog.get_logger(__name__)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class Guard:
+    """ASGI middleware: body-size limit and bearer-key check, before any handler runs."""
+
+    def __init__(self, app, api_key: str | None = None, max_body: int = 1 << 20):
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        if self.api_key and scope["path"] != "/health":
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                err = APIError(401, "invalid or missing API key", None, "invalid_api_key", "authentication_error")
+                return await error_response(err)(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            err = APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
+            return await error_response(err)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app(engine, model_name: str | None = None, api_key: str | None = None,
+               max_body: int = 1 << 20) -> Starlette:
+    name = model_name or engine.target.name.rstrip("/").split("/")[-1]
+    created = int(time.time())
+
+    async def read_json(request: Request):
+        raw = await request.body()
+        if len(raw) > max_body:
+            raise APIError(413, f"request body over {max_body} bytes", None, "body_too_large")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"malformed JSON: {exc}", None, "invalid_json") from None
+
+    def check_model(parsed: Parsed) -> None:
+        if parsed.model is not None and parsed.model != name:
+            raise APIError(404, f"model {parsed.model!r} not found; this server serves {name!r}",
+                           "model", "model_not_found")
+
+    def open_stream(parsed: Parsed):
+        try:
+            return engine.prepare(parsed.prompt, parsed.params)  # validate before any byte is sent
+        except InvalidRequest as exc:
+            raise APIError(400, exc.message, exc.param, exc.code or "invalid_value") from None
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), "prompt", "invalid_value") from None
+        except QueueFull as exc:
+            raise APIError(503, str(exc), None, "queue_full", "server_error", {"Retry-After": "1"}) from None
+        except EngineClosed as exc:
+            raise APIError(503, str(exc), None, "shutting_down", "server_error", {"Retry-After": "5"}) from None
+
+    async def generate(request: Request, chat: bool):
+        try:
+            body = await read_json(request)
+            parsed = parse_chat(body, engine.tokenizer) if chat else parse_completion(body)
+            check_model(parsed)
+            req = open_stream(parsed)
+        except APIError as err:
+            return error_response(err)
+        kind = "chat.completion" if chat else "text_completion"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        events = engine.stream_request(req)
+        if parsed.stream:
+            return StreamingResponse(_sse(events, rid, kind, name, created, chat, parsed.include_usage, req),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, finish, error = [], None, None
+        async for event in events:
+            text.append(event.text)
+            finish, error = event.finish_reason, event.error
+        if finish == "error":
+            return error_response(APIError(500, error or "generation failed", None, "generation_failed", "server_error"))
+        done = req.handle.result(5)
+        usage = {"prompt_tokens": done.usage.prompt_tokens, "completion_tokens": done.usage.completion_tokens,
+                 "total_tokens": done.usage.total_tokens}
+        finish = "stop" if finish == "cancelled" else finish
+        choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
+                  if chat else {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish})
+        return JSONResponse({"id": rid, "object": kind, "created": created, "model": name,
+                             "choices": [choice], "usage": usage, "system_fingerprint": f"seed-{done.seed}"})
+
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                                         "owned_by": "specbatch"}]})
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok", "state": engine.stats()["state"]})
+
+    async def metrics(request: Request):
+        return PlainTextResponse(render_metrics(engine.stats()), media_type="text/plain; version=0.0.4")
+
+    async def not_found(request: Request, exc):
+        status = getattr(exc, "status_code", 404)
+        return error_response(APIError(status, f"{request.method} {request.url.path}: {getattr(exc, 'detail', '')}",
+                                       None, "not_found" if status == 404 else "method_not_allowed"))
+
+    async def server_error(request: Request, exc):
+        log.exception("handler_failed", path=request.url.path, error=str(exc))
+        return error_response(APIError(500, "internal server error", None, "internal_error", "server_error"))
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+              Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics)]
+    return Starlette(routes=routes, middleware=[Middleware(Guard, api_key=api_key, max_body=max_body)],
+                     exception_handlers={404: not_found, 405: not_found, Exception: server_error})
+
+
+async def _sse(events, rid, kind, name, created, chat, include_usage, req):
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(delta_text, finish):
+        choice = ({"index": 0, "delta": {"content": delta_text} if delta_text or not finish else {},
+                   "finish_reason": finish} if chat else
+                  {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": finish})
+        return {"id": rid, "object": chunk_kind, "created": created, "model": name, "choices": [choice]}
+
+    if chat:
+        first = chunk("", None)
+        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        yield _data(first)
+    async for event in events:
+        if event.finish_reason == "error":
+            yield _data(APIError(500, event.error or "generation failed", None, "generation_failed",
+                                 "server_error").body())
+            break
+        finish = event.finish_reason
+        if finish == "cancelled":
+            break
+        if event.text or finish:
+            yield _data(chunk(event.text, finish))
+    if include_usage:
+        done = req.handle.result(5)
+        usage = {"prompt_tokens": done.usage.prompt_tokens, "completion_tokens": done.usage.completion_tokens,
+                 "total_tokens": done.usage.total_tokens}
+        yield _data({"id": rid, "object": chunk_kind, "created": created, "model": name, "choices": [], "usage": usage})
+    yield "data: [DONE]\n\n"
+
+
+def _data(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
