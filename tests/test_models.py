@@ -46,3 +46,14 @@ def test_openblas_preload_env():
                              env=env, capture_output=True, text=True)
         assert out.returncode == 0 and out.stdout.strip() == "3.0", out.stderr
     assert blas.preload_env({"SPECBATCH_NO_OPENBLAS": "1"}).get("LD_PRELOAD") is None or not blas.wanted()
+
+
+def test_calibration_picks_the_widest_winning_width(tmp_path, monkeypatch):
+    from specbatch import calibration
+    assert calibration.choose_cap({1: 1.6, 2: 1.3, 4: 1.02, 8: 0.8}) == 2
+    assert calibration.choose_cap({1: 0.9, 2: 0.7}) == 1
+    assert calibration.choose_cap({1: 1.5, 2: 1.4, 4: 1.2}) == 4
+    monkeypatch.setenv("SPECBATCH_CALIBRATION", str(tmp_path / "cal.json"))
+    calibration.store_cap("/m/target", "/m/drafter", 3, {"1": 1.5})
+    assert calibration.lookup_cap("/x/target", "/y/drafter") == 3
+    assert calibration.lookup_cap("/x/other", "/y/drafter") is None

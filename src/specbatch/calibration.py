@@ -40,3 +40,45 @@ def store_cap(target: str, drafter: str | None, cap: int, curve: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1))
     return path
+
+
+def choose_cap(curve: dict[int, float], margin: float = 0.03) -> int:
+    """The widest width up to which speculation wins by ``margin`` at every width.
+
+    ``curve`` maps width -> speculative / plain tokens/s. Never below 1 (0 would mean
+    uncapped); a curve that loses at width 1 says speculation does not pay here.
+    """
+    cap = 1
+    for width in sorted(curve):
+        if curve[width] < 1.0 + margin:
+            break
+        cap = width
+    return cap
+
+
+def run_calibrate(args) -> int:
+    from .bench import Context, engine_tok_s, code_prompts
+    from .config import load_pair
+
+    target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype,
+                                        num_draft_tokens=args.num_draft_tokens, speculative_width_cap=0)
+    if drafter is None:
+        raise ValueError("calibration needs a drafter (the embedded pair has one)")
+    widths = [int(w) for w in args.widths.split(",")]
+    ctx = Context(target, drafter, config, widths, args.tokens, args.repeats)
+    plain, spec = ctx.engine(speculation=False), ctx.engine(speculative_width_cap=0)
+    prompts = code_prompts(target.tokenizer, max(widths))
+    curve = {}
+    try:
+        for width in widths:
+            p = sorted(engine_tok_s(plain, prompts[:width], args.tokens) for _ in range(args.repeats))
+            s = sorted(engine_tok_s(spec, prompts[:width], args.tokens) for _ in range(args.repeats))
+            curve[width] = s[len(s) // 2] / p[len(p) // 2]
+            print(f"width {width:3d}: speculative / plain = {curve[width]:.3f}", flush=True)
+    finally:
+        ctx.close()
+    cap = choose_cap(curve, args.margin)
+    path = store_cap(target.name, drafter.name, cap, {str(w): r for w, r in curve.items()})
+    note = "" if curve.get(min(curve), 0) >= 1 + args.margin else " (speculation does not pay here: consider --no-speculation)"
+    print(f"cap = {cap}{note}; written to {path} for {machine_key()} / {pair_key(target.name, drafter.name)}")
+    return 0

@@ -60,6 +60,11 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_calibrate(args) -> int:
+    from .calibration import run_calibrate
+    return run_calibrate(args)
+
+
 def cmd_statechart(args) -> int:
     from .statechart import run_statechart
     return run_statechart(args)
@@ -95,13 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks side by side with mlx-lm")
-    b.add_argument("--suite", default="plain", help="comma list: plain")
+    b.add_argument("--suite", default="plain,scalar,widths,transitions,memory",
+                   help="comma list of: plain, scalar, widths, transitions, memory")
     b.add_argument("--widths", default="1,2,4,8,16")
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--out", default="bench/results")
     _model_args(b)
     b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("calibrate", help="measure the width cap for this pair on this machine")
+    c.add_argument("--widths", default="1,2,3,4,6,8")
+    c.add_argument("--tokens", type=int, default=48)
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--margin", type=float, default=0.03, help="speculation must win by this much")
+    _model_args(c)
+    c.set_defaults(func=cmd_calibrate)
 
     s = sub.add_parser("statechart", help="write or check the Mermaid chart of the machine")
     s.add_argument("--write", action="store_true")

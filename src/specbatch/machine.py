@@ -42,6 +42,9 @@ TRANSITIONS = [
 ]
 
 
+GUARDS = {t: g for t, _, _, g, _, _ in TRANSITIONS}
+
+
 def build_machine(model, cls=Machine, **kw) -> Machine:
     """The transitions machine over ``model`` (a SpecMachine, or a stub for charts)."""
     table = [dict(trigger=t, source=s, dest=d, conditions=g, after=h) for t, s, d, g, h, _ in TRANSITIONS]
@@ -200,6 +203,9 @@ class SpecMachine:
         return loop
 
     def _fire(self, trigger: str) -> bool:
+        """Fire ``trigger`` if its guard holds; True when the state changed."""
+        if not getattr(self, GUARDS[trigger])():  # cheap pre-check: most rounds fire nothing
+            return False
         before = self.state
         getattr(self, trigger)()
         if self.state == before:
