@@ -127,3 +127,35 @@ def test_threads_submit_concurrently(plain):
     assert all(len(out[i].token_ids) == 9 for i in range(6))
     stats = plain.stats()
     assert stats["requests_finished"] == stats["requests_submitted"]
+
+
+def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(tiny):
+    from specbatch.runner import ModelRunner
+
+    with Engine(tiny, None, EngineConfig(speculation=False)) as engine:
+        runner = engine.scheduler.runner
+        calls = {"n": 0}
+        real = ModelRunner.forward
+
+        def flaky(self, tokens, cache):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise RuntimeError("injected kernel failure")
+            return real(self, tokens, cache)
+
+        runner.forward = flaky.__get__(runner)
+        victim = engine.submit("def f(x):", SamplingParams(max_tokens=30, ignore_eos=True)).result(30)
+        assert victim.finish_reason == "error" and "injected" in victim.error
+        after = engine.submit("def g(x):", SamplingParams(max_tokens=5, ignore_eos=True)).result(30)
+        assert after.finish_reason == "length" and len(after.token_ids) == 5
+
+
+def test_kv_budget_makes_admission_wait(tiny):
+    from specbatch.models import kv_bytes_per_token
+    per_row = (8 + 20 + 5) * kv_bytes_per_token(tiny.model)
+    with Engine(tiny, None, EngineConfig(speculation=False, kv_budget_bytes=int(per_row * 2.5))) as engine:
+        handles = [engine.submit([5] * 8, SamplingParams(max_tokens=20, ignore_eos=True)) for _ in range(6)]
+        widths = set()
+        while not all(h.done for h in handles):
+            widths.add(engine.stats()["width"])
+        assert max(widths) <= 2 and all(len(h.result().token_ids) == 20 for h in handles)

@@ -47,7 +47,8 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     from .server.serve import serve
-    return serve(args, _engine(args, max_queue=args.max_queue))
+    return serve(args, _engine(args, max_queue=args.max_queue, kv_budget_bytes=args.kv_budget_mb << 20,
+                               prompt_cache_bytes=args.prompt_cache_mb << 20))
 
 
 def cmd_demo(args) -> int:
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or SPECBATCH_API_KEY)")
     sv.add_argument("--max-body", type=int, default=1 << 20, help="request body limit, bytes")
     sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--kv-budget-mb", type=int, default=0, help="target KV budget; admission waits past it (0: none)")
+    sv.add_argument("--prompt-cache-mb", type=int, default=256, help="prompt (prefix) cache bound")
     _model_args(sv)
     sv.set_defaults(func=cmd_serve)
 

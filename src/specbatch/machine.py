@@ -20,6 +20,7 @@ from .drafters.model import ModelDrafter
 from .loops.batch import BatchLoop, held_tokens, retires
 from .loops.scalar import ScalarLoop
 from .prompt_cache import PromptCache
+from .models import kv_bytes_per_token
 from .runner import ModelRunner
 from .scheduler import admit_each, take
 
@@ -63,6 +64,7 @@ class SpecMachine:
         self.batch: BatchLoop | None = None
         self.waiting, self.more_coming, self.done = None, False, []
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)
+        self.token_bytes = kv_bytes_per_token(target.model)
         self.machine = build_machine(self)
 
     # -- guards (pure) ------------------------------------------------------------------
@@ -74,7 +76,7 @@ class SpecMachine:
         return self.speculative and len(self.waiting) == 1
 
     def burst_within_cap(self) -> bool:
-        n = min(len(self.waiting), self.config.max_batch)
+        n = self._room()
         return self.speculative and n >= 2 and self.config.speculates_at(n)
 
     def plain_arrivals(self) -> bool:
@@ -88,8 +90,7 @@ class SpecMachine:
         return bool(self.waiting) and self.config.preempt and first_token_out and not self.scalar_done()
 
     def over_cap(self) -> bool:
-        arriving = min(len(self.waiting), self.config.max_batch - self.batch.width)
-        return not self.config.speculates_at(self.batch.width + arriving)
+        return not self.config.speculates_at(self.batch.width + self._room())
 
     def rearm_pays(self) -> bool:
         rows = self.batch.rows
@@ -111,7 +112,7 @@ class SpecMachine:
 
     def begin_batch(self) -> None:
         self.batch = self._new_batch()
-        self.done += admit_each(self.batch, take(self.waiting, self.config.max_batch), self.prompt_cache)
+        self.done += admit_each(self.batch, take(self.waiting, self._room()), self.prompt_cache)
 
     def end_scalar(self) -> None:
         request = self.scalar.request
@@ -163,7 +164,7 @@ class SpecMachine:
             return  # the drain runs first: over the cap, admission happens gated
         self.done += self.batch.reap()
         if self.waiting:
-            self.done += admit_each(self.batch, take(self.waiting, self.config.max_batch - self.batch.width),
+            self.done += admit_each(self.batch, take(self.waiting, self._room()),
                                     self.prompt_cache)
         if self._fire("drain"):
             return
@@ -183,7 +184,7 @@ class SpecMachine:
         if self.waiting or any(r.request.finished or r.request.cancel_requested for r in loop.rows):
             loop.settle()
             self.done += loop.reap()
-            self.done += admit_each(loop, take(self.waiting, self.config.max_batch - loop.width), self.prompt_cache)
+            self.done += admit_each(loop, take(self.waiting, self._room()), self.prompt_cache)
         if self._fire("drain") or self._fire("rearm"):
             return
         loop.plain_round(successor=not (self.more_coming or self.waiting))
@@ -195,6 +196,22 @@ class SpecMachine:
         emitted = self.batch.capture_round()
         self.stats.rounds += 1
         log.info("capture", width=self.batch.width, emitted=emitted)
+
+    def _room(self) -> int:
+        """Waiters the next drain may admit: within max_batch rows and the KV budget
+        (each row reserves its prompt, its budget and a verify's lookahead)."""
+        live = self.requests()
+        n = min(len(self.waiting), self.config.max_batch - len(live))
+        budget, k = self.config.kv_budget_bytes, self.config.num_draft_tokens
+        if not budget or not self.token_bytes:
+            return n
+        need = sum(len(r.prompt) + r.params.max_tokens + k + 1 for r in live) * self.token_bytes
+        for i in range(n):
+            r = self.waiting[i]
+            need += (len(r.prompt) + r.params.max_tokens + k + 1) * self.token_bytes
+            if need > budget:
+                return max(i, int(not live))  # an idle engine still takes one, or nothing runs
+        return n
 
     def _new_batch(self) -> BatchLoop:
         drafter = ModelDrafter(self.draft_model) if self.speculative else None

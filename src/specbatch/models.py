@@ -11,6 +11,7 @@ from pathlib import Path
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 import structlog
 
 from .kv import check_supported
@@ -111,6 +112,19 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
     log.debug("model_loaded", model=name, layers=loaded.n_layers, vocab=loaded.vocab_size,
               dtype=str(target_dtype), context=loaded.context_length)
     return loaded
+
+
+def kv_bytes_per_token(model) -> int:
+    """Target KV bytes one token costs across all layers (0 when the shape is unknown)."""
+    args = model.args
+    heads = getattr(args, "num_attention_heads", None)
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or (args.hidden_size // heads if heads else None)
+    if not kv_heads or not head_dim:
+        return 0
+    leaves = [p for _, p in tree_flatten(model.parameters())]
+    itemsize = leaves[0].dtype.size if leaves else 4
+    return 2 * len(model.layers) * kv_heads * head_dim * itemsize
 
 
 def check_pair(target: LoadedModel, drafter: LoadedModel) -> None:

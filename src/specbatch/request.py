@@ -159,7 +159,11 @@ class Request:
             self.gaps.append(now - self.last_token_at)
         self.last_token_at = now
         self.tokens.append(token)
-        text = self.stream.add(token)
+        try:
+            text = self.stream.add(token)
+        except Exception as exc:  # a detokeniser failure fails this request only
+            self.abort("error", f"detokenisation failed: {exc}")
+            return True
         reason = None
         if (token in self.eos_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids or self.stream.stopped:
             reason = "stop"
