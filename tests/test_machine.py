@@ -126,3 +126,18 @@ def test_chart_matches_the_machine():
     assert CHART.read_text() == render()
     for state in STATES:
         assert f'state "{state}"' in CHART.read_text()
+
+
+def test_trace_draws_the_path_a_run_took(tmp_path):
+    import json
+
+    from specbatch.statechart import trace
+    log = tmp_path / "run.jsonl"
+    events = [{"event": "transition", "source": "Idle", "dest": "Scalar", "trigger": "start_scalar"},
+              {"event": "admit", "request": "req-1"},
+              {"event": "transition", "source": "Scalar", "dest": "Batched", "trigger": "preempt"},
+              {"event": "transition", "source": "Batched", "dest": "Idle", "trigger": "drain"}]
+    log.write_text("\n".join(json.dumps(e) for e in events) + "\nnot json\n")
+    chart = trace(log)
+    assert "Scalar --> Batched: preempt x1" in chart
+    assert "%% not taken: Batched -> Gated (gate)" in chart

@@ -1,4 +1,7 @@
-"""``make demo``: staggered concurrent requests on the embedded pair, transitions live."""
+"""``make demo``: staggered concurrent requests on the embedded pair, streams and
+transitions live, then a summary. The schedule passes Scalar -> Batched -> Gated ->
+Batched -> Idle: one request starts alone, waiters preempt it, the batch grows past the
+cap and gates, then shrinks back and re-arms."""
 
 from __future__ import annotations
 
@@ -17,35 +20,58 @@ PROMPTS = [
     "def read_lines(path):\n    with open(path) as f:",
 ]
 
+_print_lock = threading.Lock()
+
+
+def _say(line: str) -> None:
+    with _print_lock:
+        print(line, flush=True)
+
+
+def _follow(name: str, prompt: str, handle) -> None:
+    """Print a request's stream live, a line at a time, prefixed by its name."""
+    pending = prompt
+    for event in handle:
+        pending += event.text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            _say(f"  {name} | {line}")
+        if event.finish_reason:
+            _say(f"  {name} | {pending}")
+            _say(f"  {name} finished: {event.finish_reason}")
+
 
 def run_demo(args) -> int:
     from . import SamplingParams, logs
     from .cli import _engine
 
-    logs.configure("console", "info")
+    logs.configure(getattr(args, "log_format", "console"), "info")
     engine = _engine(args)
-    print(f"specbatch demo: target={engine.target.name} drafter={engine.drafter and engine.drafter.name} "
-          f"k={engine.config.num_draft_tokens} cap={engine.config.speculative_width_cap}", flush=True)
-    handles, lock = [], threading.Lock()
-    start = time.perf_counter()
-    for i in range(args.requests):
+    cap = engine.config.speculative_width_cap
+    _say(f"specbatch demo: target={engine.target.name}\n  drafter={engine.drafter and engine.drafter.name} "
+         f"k={engine.config.num_draft_tokens} cap={cap} speculation={engine.config.speculation}")
+    n = max(args.requests, cap + 2)
+    followers, start = [], time.perf_counter()
+    for i in range(n):
+        long = i == 0 or i == n - 1  # the first and the last outlive the rest: re-arm happens
+        params = SamplingParams(max_tokens=args.max_tokens * (3 if long else 1),
+                                temperature=0.0 if i % 2 == 0 else 0.7, seed=i)
         prompt = PROMPTS[i % len(PROMPTS)]
-        budget = args.max_tokens if i % 3 else args.max_tokens * 2
-        params = SamplingParams(max_tokens=budget, temperature=0.0 if i % 2 == 0 else 0.7, seed=i)
-        handles.append((prompt, engine.submit(prompt, params)))
-        time.sleep(0.15 if i == 0 else 0.05)
-    for prompt, handle in handles:
-        done = handle.result(timeout=600)
-        with lock:
-            print(f"\n--- {done.request_id} ({done.finish_reason}, {done.usage.completion_tokens} tokens)"
-                  f"\n{prompt}{done.text}", flush=True)
+        handle = engine.submit(prompt, params)
+        follower = threading.Thread(target=_follow, args=(handle.request_id, prompt, handle))
+        follower.start()
+        followers.append((follower, handle))
+        time.sleep(0.4 if i == 0 else 0.02)  # the first speculates alone before waiters arrive
+    for follower, handle in followers:
+        follower.join(600)
     elapsed = time.perf_counter() - start
     stats = engine.stats()
     engine.close()
-    tokens = stats["generated_tokens"]
-    print(f"\n=== summary: {len(handles)} requests, {tokens} tokens in {elapsed:.2f}s "
-          f"({tokens / elapsed:.1f} tok/s); rounds {stats['rounds']}, verify rounds "
-          f"{stats['spec_rounds']}, acceptance {stats['acceptance_rate']:.2f}, "
-          f"tokens/round {stats['tokens_per_round']:.2f}; transitions {stats['transitions']}")
+    tokens = sum(h.result().usage.completion_tokens for _, h in followers)
+    _say(f"\n=== summary: {n} requests, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tok/s)\n"
+         f"    rounds {stats['rounds']}, verify rounds {stats['spec_rounds']}, drafted {stats['drafted_tokens']}, "
+         f"accepted {stats['accepted_tokens']} (acceptance {stats['acceptance_rate']:.2f}, "
+         f"{stats['tokens_per_round']:.2f} tokens/verify round)\n"
+         f"    transitions {stats['transitions']}")
     sys.stdout.flush()
     return 0
