@@ -2,7 +2,8 @@
 
 The machines are shared and noisy, so every suite interleaves the systems it compares
 (round-robin within each repeat) and reports medians and their ratios, never one-off
-timings. Suites: plain, scalar, widths, transitions, memory (see ``SUITES``).
+timings. Suites: plain, scalar, widths (here), transitions, memory (``bench_serving``), serving
+(``bench_http``).
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ class Context:
         self.target, self.drafter, self.config = target, drafter, config
         self.widths, self.tokens, self.repeats = widths, tokens, repeats
         self.k = config.num_draft_tokens
+        self.serving_requests = 12
+        self.rates = {"low": 0.5, "medium": 1.5, "saturating": 6.0}  # requests per second
         self._engines = []
 
     def engine(self, **overrides) -> Engine:
@@ -198,9 +201,10 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 
 def run_bench(args) -> int:
-    from . import bench_serving
+    from . import bench_http, bench_serving
     from .config import load_pair
-    suites = {"plain": suite_plain, "scalar": suite_scalar, "widths": suite_widths, **bench_serving.SUITES}
+    suites = {"plain": suite_plain, "scalar": suite_scalar, "widths": suite_widths, **bench_serving.SUITES,
+              **bench_http.SUITES}
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype,
                                         speculative_width_cap=args.speculative_width_cap,
                                         num_draft_tokens=args.num_draft_tokens)

@@ -31,14 +31,33 @@ class RaggedKVCache:
     def __init__(self, starts: list[int] | None = None):
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
-        self.starts: list[int] = list(starts or [])
-        self.ends: list[int] = list(self.starts)
+        self._starts: list[int] = list(starts or [])
+        self._ends: list[int] = list(self._starts)
+        self._offset: mx.array | None = None  # cached: RoPE reads it twice per layer call
+
+    @property
+    def starts(self) -> list[int]:
+        return self._starts
+
+    @starts.setter
+    def starts(self, value: list[int]) -> None:
+        self._starts, self._offset = value, None
+
+    @property
+    def ends(self) -> list[int]:
+        return self._ends
+
+    @ends.setter
+    def ends(self, value: list[int]) -> None:
+        self._ends, self._offset = value, None
 
     # -- the mlx-lm cache protocol -------------------------------------------------
     @property
     def offset(self) -> mx.array:
         """Tokens each row holds, ``[B]``: the RoPE position of its next token."""
-        return mx.array([e - s for s, e in zip(self.starts, self.ends)], dtype=mx.int32)
+        if self._offset is None:
+            self._offset = mx.array([e - s for s, e in zip(self.starts, self.ends)], dtype=mx.int32)
+        return self._offset
 
     @property
     def width(self) -> int:
