@@ -95,9 +95,9 @@ def test_schedules_on_the_fake_kernel(tiny):
     target = LoadedModel(FakeModel(), tiny.tokenizer, "fake-target", 4096)
     drafters = [LoadedModel(FakeModel(skew=0.0), tiny.tokenizer, "fake-oracle", 4096),
                 LoadedModel(FakeModel(skew=3.0, salt=1), tiny.tokenizer, "fake-skewed", 4096)]
-    run_schedules(target, drafters, examples=40, steps=14)
+    run_schedules(target, drafters, examples=200, steps=20)
 
 
 @pytest.mark.slow
 def test_schedules_on_tiny_mlx_models(tiny, tiny_draft):
-    run_schedules(tiny, [tiny, tiny_draft], examples=10, steps=10)
+    run_schedules(tiny, [tiny, tiny_draft], examples=30, steps=12)
