@@ -105,3 +105,18 @@ def test_budget_edges(tiny):
     near = [7] * (tiny.context_length - 4)
     out, _ = run_scalar(tiny, tiny, near, k=8, max_tokens=4, ignore_eos=True)
     assert out == run_plain(tiny, near, max_tokens=4, ignore_eos=True)
+
+
+def test_capture_round_emits_one_token_per_row_at_plain_cost(tiny):
+    loop = BatchLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model), 4)
+    requests = [make_request(tiny, p, max_tokens=20, ignore_eos=True) for p in PROMPTS[:3]]
+    for r in requests:
+        loop.admit(r)
+    shapes = []
+    real = loop.target.forward
+    loop.target.forward = lambda tokens, cache: (shapes.append(tokens.shape), real(tokens, cache))[1]
+    before = [r.emitted for r in requests]
+    emitted = loop.capture_round()
+    assert emitted == 3 and [r.emitted for r in requests] == [b + 1 for b in before]
+    assert shapes == [(3, 1)]  # one plain one-position forward of the batch: plain-decode cost
+    assert loop.armed and loop.drafter.width == 3

@@ -242,3 +242,32 @@ def test_sigterm_drains_and_exits_zero(model_dir):
         assert proc.wait(30) == 0, proc.stdout.read().decode()
     finally:
         proc.kill()
+
+
+def test_failure_after_streaming_started_sends_an_error_event(model_dir):
+    from specbatch.models import load
+    from specbatch.runner import ModelRunner
+    engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False))
+    served = Served(engine)
+    try:
+        runner = engine.scheduler.runner
+        calls = {"n": 0}
+        real = ModelRunner.forward
+
+        def flaky(self, tokens, cache):
+            calls["n"] += 1
+            if calls["n"] == 6:
+                raise RuntimeError("injected")
+            return real(self, tokens, cache)
+
+        runner.forward = flaky.__get__(runner)
+        body = {"prompt": "def f(x):", "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][len("data: "):])
+        assert err["error"]["code"] == "generation_failed"
+        ok = httpx.post(f"{served.url}/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200
+    finally:
+        served.close()

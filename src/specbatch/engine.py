@@ -228,5 +228,7 @@ class Engine:
             if request.cancel_requested and not request.finished:
                 request.abort("cancelled")
             self._stats.record_finish(request)
+            log.info("finish", request=request.id, reason=request.finish_reason, tokens=request.emitted,
+                     drafted=request.spec.drafted, accepted=request.spec.accepted, retire=request.retire)
             with self._lock:
                 self._live.pop(request.id, None)
