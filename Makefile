@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 RUN     := $(PY) -m specbatch.blas   # starts Python with OpenBLAS preloaded (Linux CPU)
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench serve statecharts clean
+.PHONY: setup test test-fast demo bench calibrate serve statecharts clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -24,7 +24,11 @@ demo: $(STAMP)
 	.venv/bin/specbatch demo
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	.venv/bin/specbatch bench
+
+calibrate: $(STAMP)
+	.venv/bin/specbatch calibrate
 
 serve: $(STAMP)
 	.venv/bin/specbatch serve

@@ -224,4 +224,7 @@ def run_bench(args) -> int:
     path = out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"\nresults: {path}")
+    if args.report:
+        from .bench_report import write_report
+        write_report(results, path)
     return 0
