@@ -59,6 +59,7 @@ class Engine:
         self._lock = threading.Lock()
         self._closing = False
         self._drain = True
+        self._gauges = self.scheduler.gauges()  # published by the engine thread after each step
         self._thread = threading.Thread(target=self._run, name="specbatch-engine", daemon=True)
         self._thread.start()
         _engines.add(self)
@@ -158,7 +159,8 @@ class Engine:
         self._inbox.put(None)  # wake the loop
 
     def stats(self) -> dict:
-        return self._stats.snapshot(self.scheduler, queue_depth=len(self._waiting) + self._inbox.qsize())
+        """Counters and gauges; safe from any thread (gauges are the last step's)."""
+        return self._stats.snapshot(self._gauges, queue_depth=len(self._waiting) + self._inbox.qsize())
 
     def close(self, drain: bool = False, timeout: float | None = 60.0) -> None:
         """Stop admitting; finish (``drain``) or cancel in-flight work; join the thread."""
@@ -198,6 +200,7 @@ class Engine:
             self._serve()
         finally:
             self.scheduler.shutdown()
+            self._gauges = self.scheduler.gauges()
             mx.clear_streams()  # MLX needs per-thread cleanup before interpreter exit
 
     def _serve(self) -> None:
@@ -224,6 +227,7 @@ class Engine:
             finished = self.scheduler.recover()
             for request in finished:
                 request.abort("error", f"internal error: {exc}")
+        self._gauges = self.scheduler.gauges()
         for request in finished:
             if request.cancel_requested and not request.finished:
                 request.abort("cancelled")

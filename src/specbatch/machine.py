@@ -128,8 +128,8 @@ class SpecMachine:
         self.batch.rebuild(handoff)
         log.info("preempt", request=handoff.request.id, undelivered=len(handoff.undelivered),
                  emitted=handoff.emitted, waiters=len(self.waiting))
-        if handoff.request.finished:
-            self.done += self.batch.reap()
+        if handoff.request.finished:  # it ended inside its undelivered tail: it never joined
+            self.done.append(handoff.request)
 
     def do_gate(self) -> None:
         self.batch.disarm()
@@ -255,9 +255,10 @@ class SpecMachine:
         return failed
 
     def gauges(self) -> dict:
-        kv = self.batch.kv if self.batch else None
-        drafter = self.batch.drafter if self.batch and self.batch.drafter else None
-        scalar_kv = sum(c.nbytes for c in self.scalar.cache) if self.scalar else 0
+        """Read on the engine thread after each step (the engine publishes a copy)."""
+        kv, scalar = (self.batch.kv if self.batch else None), self.scalar
+        drafter = scalar.drafter if scalar else (self.batch.drafter if self.batch else None)
+        scalar_kv = sum(c.nbytes for c in scalar.cache) if scalar else 0
         return {"state": self.state, "width": self.width,
                 "kv_bytes": (kv.nbytes if kv else 0) + scalar_kv,
                 "kv_used_bytes": kv.used_bytes() if kv else scalar_kv,
