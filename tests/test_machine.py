@@ -141,3 +141,15 @@ def test_trace_draws_the_path_a_run_took(tmp_path):
     chart = trace(log)
     assert "Scalar --> Batched: preempt x1" in chart
     assert "%% not taken: Batched -> Gated (gate)" in chart
+
+
+def test_rearm_patience_delays_rearming(tiny):
+    jobs = [("def f(x):", SamplingParams(max_tokens=60, ignore_eos=True))]
+    jobs += [(f"x = {i}", SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(3)]
+    counts = {}
+    for patience in (0, 10**6):
+        config = EngineConfig(num_draft_tokens=3, speculative_width_cap=2, rearm_patience=patience)
+        with Engine(tiny, tiny, config) as spec:
+            staged_run(spec, jobs)
+            counts[patience] = wait_idle(spec)["transitions"].get("Gated->Batched", 0)
+    assert counts[0] >= 1 and counts[10**6] == 0

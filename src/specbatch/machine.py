@@ -65,6 +65,7 @@ class SpecMachine:
         self.waiting, self.more_coming, self.done = None, False, []
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)
         self.token_bytes = kv_bytes_per_token(target.model)
+        self.calm_rounds = 0  # gated rounds in a row spent within the cap (re-arm hysteresis)
         self.machine = build_machine(self)
 
     # -- guards (pure) ------------------------------------------------------------------
@@ -96,7 +97,8 @@ class SpecMachine:
         rows = self.batch.rows
         live = [r.request.remaining for r in rows if not r.request.finished]
         return (self.speculative and self.config.resume and not self.waiting and bool(live)
-                and self.config.speculates_at(len(rows)) and max(live) >= self.config.rearm_min_remaining)
+                and self.config.speculates_at(len(rows)) and max(live) >= self.config.rearm_min_remaining
+                and self.calm_rounds >= self.config.rearm_patience)
 
     def no_rows(self) -> bool:
         return self.batch.width == 0
@@ -133,6 +135,7 @@ class SpecMachine:
 
     def do_gate(self) -> None:
         self.batch.disarm()
+        self.calm_rounds = 0
         log.info("gate", width=self.batch.width, waiting=len(self.waiting), cap=self.config.speculative_width_cap)
 
     def do_rearm(self) -> None:
@@ -185,6 +188,7 @@ class SpecMachine:
             loop.settle()
             self.done += loop.reap()
             self.done += admit_each(loop, take(self.waiting, self._room()), self.prompt_cache)
+        self.calm_rounds = self.calm_rounds + 1 if self.config.speculates_at(loop.width) else 0
         if self._fire("drain") or self._fire("rearm"):
             return
         loop.plain_round(successor=not (self.more_coming or self.waiting))
