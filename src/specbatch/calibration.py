@@ -22,21 +22,27 @@ def pair_key(target: str, drafter: str | None) -> str:
     return f"{Path(target).name}+{Path(drafter).name if drafter else 'none'}"
 
 
-def lookup_cap(target: str, drafter: str | None) -> int | None:
+def lookup(target: str, drafter: str | None, field: str = "cap") -> int | None:
+    """A calibrated value ("cap" or "k") for this pair on this machine, if measured."""
     path = calibration_file()
     if not path.exists():
         return None
     try:
         table = json.loads(path.read_text())
-        return int(table[machine_key()][pair_key(target, drafter)]["cap"])
+        return int(table[machine_key()][pair_key(target, drafter)][field])
     except (KeyError, ValueError, TypeError, json.JSONDecodeError):
         return None
 
 
-def store_cap(target: str, drafter: str | None, cap: int, curve: dict) -> Path:
+def lookup_cap(target: str, drafter: str | None) -> int | None:
+    return lookup(target, drafter, "cap")
+
+
+def store_cap(target: str, drafter: str | None, cap: int, curve: dict, k: int | None = None) -> Path:
     path = calibration_file()
     table = json.loads(path.read_text()) if path.exists() else {}
-    table.setdefault(machine_key(), {})[pair_key(target, drafter)] = {"cap": cap, "curve": curve}
+    entry = {"cap": cap, "curve": curve, **({"k": k} if k else {})}
+    table.setdefault(machine_key(), {})[pair_key(target, drafter)] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1))
     return path
@@ -66,10 +72,12 @@ def run_calibrate(args) -> int:
         raise ValueError("calibration needs a drafter (the embedded pair has one)")
     widths = [int(w) for w in args.widths.split(",")]
     ctx = Context(target, drafter, config, widths, args.tokens, args.repeats)
-    plain, spec = ctx.engine(speculation=False), ctx.engine(speculative_width_cap=0)
+    plain = ctx.engine(speculation=False)
     prompts = code_prompts(target.tokenizer, max(widths))
     curve = {}
     try:
+        k = config.num_draft_tokens if args.num_draft_tokens else _best_k(ctx, prompts[:1], args)
+        spec = ctx.engine(speculative_width_cap=0, num_draft_tokens=k)
         for width in widths:
             p = sorted(engine_tok_s(plain, prompts[:width], args.tokens) for _ in range(args.repeats))
             s = sorted(engine_tok_s(spec, prompts[:width], args.tokens) for _ in range(args.repeats))
@@ -78,7 +86,19 @@ def run_calibrate(args) -> int:
     finally:
         ctx.close()
     cap = choose_cap(curve, args.margin)
-    path = store_cap(target.name, drafter.name, cap, {str(w): r for w, r in curve.items()})
+    path = store_cap(target.name, drafter.name, cap, {str(w): r for w, r in curve.items()}, k)
     note = "" if curve.get(min(curve), 0) >= 1 + args.margin else " (speculation does not pay here: consider --no-speculation)"
-    print(f"cap = {cap}{note}; written to {path} for {machine_key()} / {pair_key(target.name, drafter.name)}")
+    print(f"k = {k}, cap = {cap}{note}; written to {path} for {machine_key()} / {pair_key(target.name, drafter.name)}")
     return 0
+
+
+def _best_k(ctx, prompt, args) -> int:
+    """The draft length that is fastest alone (width 1, temperature 0)."""
+    from .bench import engine_tok_s
+    speeds = {}
+    for k in (2, 3, 4, 5, 6):
+        engine = ctx.engine(speculative_width_cap=1, num_draft_tokens=k)
+        runs = sorted(engine_tok_s(engine, prompt, args.tokens) for _ in range(args.repeats))
+        speeds[k] = runs[len(runs) // 2]
+        print(f"k {k}: {speeds[k]:.1f} tok/s alone", flush=True)
+    return max(speeds, key=speeds.get)

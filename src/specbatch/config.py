@@ -89,9 +89,11 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
     cap = env_cap()
     if cap is None:
         cap = speculative_width_cap
+    from .calibration import lookup
     if cap is None:
-        from .calibration import lookup_cap
-        cap = lookup_cap(target.name, drafter.name if drafter else None)
+        cap = lookup(target.name, drafter.name if drafter else None, "cap")
+    if num_draft_tokens is None and drafter is not None:
+        num_draft_tokens = lookup(target.name, drafter.name, "k")
     fields = dict(options, speculation=speculation and drafter is not None)
     if cap is not None:
         fields["speculative_width_cap"] = cap
