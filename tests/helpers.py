@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from specbatch.detok import TextStream
-from specbatch.drafters.model import ModelDrafter
 from specbatch.loops.batch import BatchLoop
 from specbatch.loops.scalar import ScalarLoop
+from specbatch.machine import make_drafter
 from specbatch.request import Request, RequestHandle
 from specbatch.runner import ModelRunner
 from specbatch.sampling import SamplingParams
@@ -30,7 +30,8 @@ def run_plain(target, prompt, **params) -> list[int]:
 
 def run_scalar(target, drafter, prompt, k=4, verify="coupled", **params):
     request = make_request(target, prompt, **params)
-    loop = ScalarLoop(ModelRunner(target.model), ModelDrafter(drafter.model, batch=False), request, k, verify)
+    runner = ModelRunner(target.model)
+    loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request, k, verify)
     loop.start()
     rounds = []
     while not loop.finished:
@@ -41,7 +42,8 @@ def run_scalar(target, drafter, prompt, k=4, verify="coupled", **params):
 
 
 def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, params=None):
-    loop = BatchLoop(ModelRunner(target.model), ModelDrafter(drafter.model) if drafter else None, k, verify)
+    runner = ModelRunner(target.model)
+    loop = BatchLoop(runner, make_drafter(drafter, runner, True) if drafter else None, k, verify)
     requests = [make_request(target, p, **(params[i] if params else {})) for i, p in enumerate(prompts)]
     for r in requests:
         loop.admit(r)

@@ -106,7 +106,7 @@ def suite_scalar(ctx) -> dict:
             before = greedy.stats()
             samples["batch_greedy"].append(_forced_batch_tok_s(greedy, prompt[0], ctx.tokens, temp))
             acc.setdefault("batch_greedy", []).append(_acceptance(before, greedy.stats()))
-            if temp == 0.0:
+            if temp == 0.0 and hasattr(ctx.drafter, "model"):
                 samples["mlx_lm_spec"].append(mlx_lm_spec_tok_s(ctx.target.model, ctx.drafter.model, prompt[0],
                                                                 ctx.tokens, k))
         m = _median_rows({n: v for n, v in samples.items() if v})
@@ -204,12 +204,12 @@ def run_bench(args) -> int:
     from . import bench_http, bench_serving
     from .config import load_pair
     suites = {"plain": suite_plain, "scalar": suite_scalar, "widths": suite_widths, **bench_serving.SUITES,
-              **bench_http.SUITES}
+              **bench_http.SUITES, "drafters": bench_serving.suite_drafters}
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype,
                                         speculative_width_cap=args.speculative_width_cap,
-                                        num_draft_tokens=args.num_draft_tokens)
+                                        num_draft_tokens=args.num_draft_tokens, drafter=args.drafter)
     ctx = Context(target, drafter, config, [int(w) for w in args.widths.split(",")], args.tokens, args.repeats)
-    results = {"machine": machine(), "target": target.name, "drafter": drafter and drafter.name,
+    results = {"machine": machine(), "target": target.name, "drafter": getattr(drafter, "name", None),
                "k": config.num_draft_tokens, "cap": config.speculative_width_cap, "suites": {}}
     try:
         for name in args.suite.split(","):

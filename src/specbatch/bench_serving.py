@@ -141,4 +141,50 @@ def soak(engine, tokenizer, n: int = 1000, seed: int = 0) -> dict:
             "finish_reasons": stats["finish_reasons"]}
 
 
+def rearm_cost(target, drafter, width: int, history: int) -> float:
+    """Seconds for one capture round plus the drafter's cold start, ``width`` rows."""
+    from .detok import TextStream
+    from .loops.batch import BatchLoop
+    from .machine import make_drafter
+    from .request import Request, RequestHandle
+    from .runner import ModelRunner
+    runner = ModelRunner(target.model)
+    loop = BatchLoop(runner, make_drafter(drafter, runner, batch=True), 4)
+    for i in range(width):
+        prompt = [(7 * i + j) % 500 + 3 for j in range(history)]
+        sp = SamplingParams(max_tokens=64, ignore_eos=True, seed=i)
+        loop.admit(Request(prompt, sp, TextStream(target.tokenizer), RequestHandle("b", i, history), frozenset()))
+    t0 = time.perf_counter()
+    loop.capture_round()
+    return time.perf_counter() - t0
+
+
+def suite_drafters(ctx) -> dict:
+    """The separate draft model next to the MTP head on the same target."""
+    import attrs
+
+    from .bench import code_prompts, engine_tok_s
+    from .engine import Engine
+    from .models import demo_pair, load, load_mtp_head
+    pair = demo_pair() if ctx.target.name == str(demo_pair()["target"]) else None
+    drafters = {"model": ctx.drafter if hasattr(ctx.drafter, "model") else load(pair["drafter"]),
+                "mtp": load_mtp_head(None, ctx.target)}
+    prompts = code_prompts(ctx.target.tokenizer, 4)
+    rows = []
+    for name, drafter in drafters.items():
+        engines = {w: Engine(ctx.target, drafter, attrs.evolve(ctx.config, speculative_width_cap=0, prompt_cache_bytes=0))
+                   for w in (1, 4)}
+        for width, engine in engines.items():
+            engine_tok_s(engine, prompts[:2], 8)
+            before = engine.stats()
+            speed = statistics.median(engine_tok_s(engine, prompts[:width], ctx.tokens) for _ in range(ctx.repeats))
+            after = engine.stats()
+            drafted = after["drafted_tokens"] - before["drafted_tokens"]
+            rows.append({"drafter": name, "width": width, "tok_s": speed,
+                         "acceptance": (after["accepted_tokens"] - before["accepted_tokens"]) / max(1, drafted),
+                         "rearm_cost_s": rearm_cost(ctx.target, drafter, width, 128)})
+            engine.close()
+    return {"rows": rows}
+
+
 SUITES = {"transitions": suite_transitions, "memory": suite_memory}

@@ -66,7 +66,7 @@ def run_calibrate(args) -> int:
     from .bench import Context, engine_tok_s, code_prompts
     from .config import load_pair
 
-    target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype,
+    target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype, drafter=args.drafter,
                                         num_draft_tokens=args.num_draft_tokens, speculative_width_cap=0)
     if drafter is None:
         raise ValueError("calibration needs a drafter (the embedded pair has one)")

@@ -10,7 +10,9 @@ from .blas import ensure_openblas
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target: mlx-lm folder or HF id (default: embedded demo pair)")
-    p.add_argument("--draft-model", default=None, help="drafter with the target's vocabulary")
+    p.add_argument("--draft-model", default=None, help="drafter with the target's vocabulary (or an MTP head folder)")
+    p.add_argument("--drafter", default="model", choices=["model", "mtp"],
+                   help="a separate draft model, or the target's multi-token-prediction head")
     p.add_argument("--no-speculation", action="store_true", help="decode plain")
     p.add_argument("--speculative-width-cap", type=int, default=None,
                    help="widest batch that still speculates (0 = uncapped)")
@@ -24,7 +26,8 @@ def _engine(args, **options):
     from . import Engine
     return Engine.from_pretrained(args.model, args.draft_model, speculation=not args.no_speculation,
                                   speculative_width_cap=args.speculative_width_cap,
-                                  num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, **options)
+                                  num_draft_tokens=args.num_draft_tokens, dtype=args.dtype,
+                                  drafter=args.drafter, **options)
 
 
 def cmd_generate(args) -> int:

@@ -72,18 +72,26 @@ def env_cap() -> int | None:
 
 
 def load_pair(model=None, draft_model=None, *, speculation=True, speculative_width_cap=None,
-              num_draft_tokens=None, dtype=None, **options):
-    """Load target and drafter (the embedded demo pair when ``model`` is None)."""
+              num_draft_tokens=None, dtype=None, drafter="model", **options):
+    """Load target and drafter (the embedded demo pair when ``model`` is None).
+
+    ``drafter="model"``: ``draft_model`` is a separate mlx-lm model. ``drafter="mtp"``: an
+    MTP head, from ``draft_model`` (our head folder, or a checkpoint that ships MTP
+    layers), else the target folder's ``mtp/`` or the target checkpoint itself."""
+    if drafter not in ("model", "mtp"):
+        raise ValueError(f"drafter must be 'model' or 'mtp', got {drafter!r}")
     from . import models
 
     if model is None:
         pair = models.demo_pair()
         model = str(pair["target"])
         if draft_model is None:
-            draft_model = str(pair["drafter"])
+            draft_model = str(pair["mtp" if drafter == "mtp" else "drafter"])
     target = models.load(model, dtype=dtype)
-    drafter = None
-    if draft_model is not None and speculation:
+    kind, drafter = drafter, None
+    if kind == "mtp" and speculation:
+        drafter = models.load_mtp_head(draft_model, target)
+    elif draft_model is not None and speculation:
         drafter = models.load(draft_model, dtype=dtype)
         models.check_pair(target, drafter)
     cap = env_cap()

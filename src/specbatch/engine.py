@@ -63,7 +63,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="specbatch-engine", daemon=True)
         self._thread.start()
         _engines.add(self)
-        log.info("engine_started", model=target.name, drafter=drafter and drafter.name,
+        log.info("engine_started", model=target.name, drafter=getattr(drafter, "name", None),
                  speculation=self.config.speculation and drafter is not None,
                  k=self.config.num_draft_tokens, cap=self.config.speculative_width_cap)
 

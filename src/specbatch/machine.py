@@ -17,6 +17,7 @@ import structlog
 from transitions import Machine
 
 from .drafters.model import ModelDrafter
+from .drafters.mtp import MTPDrafter, MTPHead
 from .loops.batch import BatchLoop, held_tokens, retires
 from .loops.scalar import ScalarLoop
 from .prompt_cache import PromptCache
@@ -53,12 +54,19 @@ def build_machine(model, cls=Machine, **kw) -> Machine:
                auto_transitions=False, queued=True, **kw)
 
 
+def make_drafter(source, runner, batch: bool):
+    """A Drafter from its source: an MTP head on ``runner``, or a loaded draft model."""
+    if isinstance(source, MTPHead):
+        return MTPDrafter(source, runner)
+    return ModelDrafter(source.model, batch=batch)
+
+
 class SpecMachine:
     """The engine's scheduler: one state, one loop object at a time."""
 
     def __init__(self, target, drafter, config, stats):
         self.runner = ModelRunner(target.model)
-        self.draft_model = drafter.model if drafter is not None and config.speculation else None
+        self.drafter_source = drafter if config.speculation else None  # a draft model or an MTP head
         self.config, self.stats = config, stats
         self.scalar: ScalarLoop | None = None
         self.batch: BatchLoop | None = None
@@ -71,7 +79,7 @@ class SpecMachine:
     # -- guards (pure) ------------------------------------------------------------------
     @property
     def speculative(self) -> bool:
-        return self.draft_model is not None and self.config.speculation
+        return self.drafter_source is not None and self.config.speculation
 
     def lone_arrival(self) -> bool:
         return self.speculative and len(self.waiting) == 1
@@ -106,7 +114,7 @@ class SpecMachine:
     # -- hooks ------------------------------------------------------------------------
     def begin_scalar(self) -> None:
         request = self.waiting.popleft()
-        self.scalar = ScalarLoop(self.runner, ModelDrafter(self.draft_model, batch=False), request,
+        self.scalar = ScalarLoop(self.runner, self._drafter(batch=False), request,
                                  self.config.num_draft_tokens, self.config.verify)
         cache, reused = self.prompt_cache.lookup(request.prompt)
         self.scalar.start(cache)
@@ -218,10 +226,13 @@ class SpecMachine:
         return n
 
     def _new_batch(self) -> BatchLoop:
-        drafter = ModelDrafter(self.draft_model) if self.speculative else None
+        drafter = self._drafter(batch=True) if self.speculative else None
         loop = BatchLoop(self.runner, drafter, self.config.num_draft_tokens, self.config.verify)
         loop.retire = self.prompt_cache.retire
         return loop
+
+    def _drafter(self, batch: bool):
+        return make_drafter(self.drafter_source, self.runner, batch)
 
     def _fire(self, trigger: str) -> bool:
         """Fire ``trigger`` if its guard holds; True when the state changed."""

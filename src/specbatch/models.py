@@ -69,7 +69,7 @@ def has_demo_pair() -> bool:
 def demo_pair() -> dict[str, Path]:
     """The embedded pair; where a checkout lacks it, a tiny random pair built once."""
     if has_demo_pair():
-        return {"target": demo_path("target"), "drafter": demo_path("drafter")}
+        return {"target": demo_path("target"), "drafter": demo_path("drafter"), "mtp": demo_path("mtp")}
     from .tiny import build_tiny_model
     root = Path.home() / ".cache" / "specbatch" / "tiny-pair"
     shapes = {"target": dict(hidden=256, layers=4, intermediate=768, heads=4),
@@ -78,7 +78,21 @@ def demo_pair() -> dict[str, Path]:
         if not (root / role / "config.json").exists():
             log.warning("demo_pair_missing", building=str(root / role))
             build_tiny_model(root / role, seed=0 if role == "target" else 1, **shape)
-    return {role: root / role for role in shapes}
+    return {**{role: root / role for role in shapes}, "mtp": root / "mtp"}
+
+
+def load_mtp_head(path, target: LoadedModel):
+    """An MTP head for ``target``: our head folder, or MTP layers a checkpoint ships."""
+    from .drafters.mtp import load_head
+    candidates = [Path(path)] if path else [Path(target.name) / "mtp", Path(target.name)]
+    for folder in candidates:
+        if (folder / "mtp_config.json").exists() or (folder / "config.json").exists():
+            try:
+                return load_head(folder, target.model.args)
+            except ValueError:
+                if path:
+                    raise
+    raise ModelNotFound(f"no MTP head for {target.name!r} (looked in {[str(c) for c in candidates]})")
 
 
 def _context_length(model: nn.Module, tokenizer) -> int:

@@ -1,8 +1,9 @@
 """The target runner: the kernel every loop calls for target forwards.
 
 A ``TargetRunner`` turns tokens ``[B, N]`` plus per-layer caches into logits
-``[B, N, V]``. ``ModelRunner`` wraps any mlx-lm model; a test or another server can pass
-its own object with the same two members.
+``[B, N, V]``, and keeps the last forward's final hidden states ``[B, N, D]`` (lazy) in
+``hidden`` for head drafters that read them (``None`` where it cannot). ``ModelRunner``
+wraps any mlx-lm model; a test or another server can pass its own object.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-PREFILL_CHUNK = 512  # bounds prefill activation memory on long prompts
+PREFILL_CHUNK = 512
+SPLIT_TYPES = {"llama", "mistral", "qwen2", "qwen3"}  # logits = head(model.model(x)), no scaling  # bounds prefill activation memory on long prompts
 
 
 class TargetRunner(Protocol):
     n_layers: int
     vocab_size: int
+    hidden: mx.array | None
 
     def forward(self, tokens: mx.array, cache: list) -> mx.array:
         """Logits ``[B, N, V]`` for tokens ``[B, N]``; appends their KV to ``cache``."""
@@ -35,9 +38,24 @@ class ModelRunner:
         self.model = model
         self.n_layers = len(model.layers)
         self.vocab_size = int(model.args.vocab_size)
+        self.hidden: mx.array | None = None
+        # llama / qwen / mistral: model.model gives normed hidden states, then a plain head
+        self._split = getattr(model, "model_type", None) in SPLIT_TYPES and hasattr(model, "model")
 
     def forward(self, tokens: mx.array, cache: list) -> mx.array:
-        return self.model(tokens, cache=cache)
+        if not self._split:
+            return self.model(tokens, cache=cache)
+        self.hidden = self.model.model(tokens, cache=cache)  # [B, N, D], after the final norm
+        return self.head(self.hidden)
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """The target's output head (shared with head drafters): hidden -> logits."""
+        if hasattr(self.model, "lm_head"):
+            return self.model.lm_head(hidden)
+        return self.model.model.embed_tokens.as_linear(hidden)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.model.model.embed_tokens(tokens)
 
     def make_cache(self) -> list:
         from mlx_lm.models.cache import KVCache

@@ -33,15 +33,19 @@ class Drafter(Protocol):
     @property
     def width(self) -> int: ...
 
-    def draft(self, prev: mx.array, pending: mx.array, k: int, choose: Chooser) -> tuple[mx.array, mx.array]:
-        """Propose ``k`` tokens per row, lazily: (tokens ``[B, k]``, logits ``[B, k, V]``)."""
+    def draft(self, prev: mx.array, pending: mx.array, k: int, choose: Chooser,
+              context: list | None = None) -> tuple[mx.array, mx.array]:
+        """Propose ``k`` tokens per row, lazily: (tokens ``[B, k]``, logits ``[B, k, V]``).
+
+        ``context``: the target's per-layer caches (shared-KV drafters read them)."""
         ...
 
-    def rollback(self, counts: list[int]) -> None:
-        """Forget the last ``counts[b]`` fed tokens of each row b."""
+    def rollback(self, counts: list[int], hidden: mx.array | None = None) -> None:
+        """Forget the last ``counts[b]`` fed tokens of each row b; ``hidden`` ``[B, D]`` is
+        the target state that predicted each row's new pending token (head drafters)."""
         ...
 
-    def add_rows(self, histories: list[list[int]]) -> None:
+    def add_rows(self, histories: list[list[int]], hidden: mx.array | None = None) -> None:
         """Append rows, prefilled with each history except its last two tokens."""
         ...
 

@@ -41,7 +41,7 @@ class ModelDrafter:
             mx.eval([c.keys for c in cache])
         return cache
 
-    def draft(self, prev: mx.array, pending: mx.array, k: int, choose: Chooser):
+    def draft(self, prev: mx.array, pending: mx.array, k: int, choose: Chooser, context=None):
         feed = mx.stack([prev, pending], axis=1)  # [B, 2]
         tokens, logits = [], []
         for j in range(k):
@@ -53,14 +53,14 @@ class ModelDrafter:
                 feed = token[:, None]
         return mx.stack(tokens, axis=1), mx.stack(logits, axis=1)  # [B, k], [B, k, V]
 
-    def rollback(self, counts: list[int]) -> None:
+    def rollback(self, counts: list[int], hidden=None) -> None:
         if self.batch:
             self.kv.trim_rows(counts)
         else:
             for c in self._single:
                 c.trim(counts[0])
 
-    def add_rows(self, histories: list[list[int]]) -> None:
+    def add_rows(self, histories: list[list[int]], hidden=None) -> None:
         for history in histories:
             single = self._prefill(history[:-2])
             if self.batch:

@@ -28,7 +28,7 @@ from ..drafters.base import Capture
 from ..request import Request
 from ..runner import TargetRunner, prefill
 from ..sampling import RowSampling, positions_from, sample
-from .verify import RoundResult, spec_round
+from .verify import RoundResult, bonus_hidden, last_hidden, spec_round
 
 log = structlog.get_logger(__name__)
 
@@ -75,16 +75,17 @@ class BatchLoop:
         first = sample(logits[:, None, :], rows, positions_from([0], 1)).item()
         if request.emit(first):
             return
-        self.add_row(Row(request, first, request.prompt[-1]), BatchKV.from_singles(single))
+        self.add_row(Row(request, first, request.prompt[-1]), BatchKV.from_singles(single),
+                     last_hidden(self.target))
 
-    def add_row(self, row: Row, kv: BatchKV) -> None:
+    def add_row(self, row: Row, kv: BatchKV, hidden=None) -> None:
         """Append a row whose target KV holds everything before ``row.pending``."""
         assert self.settled
         self.kv.extend(kv)
         self.rows.append(row)
         self._sampling = None
         if self.armed:
-            self.drafter.add_rows([_history(row)])
+            self.drafter.add_rows([_history(row)], hidden=hidden)
 
     def rebuild(self, handoff) -> None:
         """The rebuild entry: a preempted scalar request joins, unarmed, from its handoff.
@@ -102,7 +103,7 @@ class BatchLoop:
         """Settle, emit one token per row at plain cost, cold-start the drafter; arm."""
         emitted = self.settle()
         emitted += self.plain_round(successor=False)
-        self.drafter.cold_start(Capture([_history(r) for r in self.rows]))
+        self.drafter.cold_start(Capture([_history(r) for r in self.rows], last_hidden(self.target)))
         self.armed = True
         return emitted
 
@@ -124,7 +125,7 @@ class BatchLoop:
                             [r.request.emitted for r in self.rows], k, self.verify, coupled=False)
         back = [k - a for a in result.accepted]
         self.kv.trim_rows(back)
-        self.drafter.rollback(back)
+        self.drafter.rollback(back, hidden=bonus_hidden(self.target, result.accepted))
         for row, run in zip(self.rows, result.emitted):
             for token in run:
                 if row.request.emit(token):

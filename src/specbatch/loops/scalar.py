@@ -17,7 +17,7 @@ import mlx.core as mx
 from ..request import Request
 from ..runner import TargetRunner, prefill
 from ..sampling import RowSampling, positions_from, sample
-from .verify import RoundResult, spec_round
+from .verify import RoundResult, bonus_hidden, last_hidden, spec_round
 
 
 @attrs.frozen
@@ -59,7 +59,7 @@ class ScalarLoop:
         first = sample(logits[:, None, :], self._rows, positions_from([0], 1)).item()
         self.prev, self.pending = self.request.prompt[-1], first
         if not self.request.emit(first) and self.drafter is not None:
-            self.drafter.add_rows([self.request.prompt + [first]])
+            self.drafter.add_rows([self.request.prompt + [first]], hidden=last_hidden(self.target))
 
     @property
     def finished(self) -> bool:
@@ -85,7 +85,7 @@ class ScalarLoop:
         a = result.accepted[0]
         for c in self.cache:
             c.trim(k - a)
-        self.drafter.rollback([k - a])
+        self.drafter.rollback([k - a], hidden=bonus_hidden(self.target, result.accepted))
         run = result.emitted[0]
         self.prev, self.pending = (run[-2] if len(run) > 1 else self.pending), run[-1]
         self._buffer.extend(run)
@@ -103,3 +103,4 @@ class ScalarLoop:
                           self.request.emitted, self.cache, self.drafter)
         self._buffer.clear()
         return handoff
+

@@ -126,10 +126,25 @@ def spec_round(target, target_cache: list, drafter, pending: list[int], prev: li
         choose = coupled_chooser(rows, starts)
     else:
         choose = greedy_chooser()
-    drafts, draft_logits = drafter.draft(mx.array(prev, dtype=mx.int32), pend, k, choose)  # [B, k]
+    drafts, draft_logits = drafter.draft(mx.array(prev, dtype=mx.int32), pend, k, choose,
+                                         context=target_cache)  # [B, k]
     logits = target.forward(mx.concatenate([pend[:, None], drafts], axis=1), target_cache)  # [B, k+1, V]
     if rejection:
         tokens, accepted = verify_rejection(logits, draft_logits, drafts, rows, starts)
     else:
         tokens, accepted = verify_coupled(logits, drafts, rows, starts)
     return read_round(tokens, accepted, k)
+
+
+def bonus_hidden(runner, accepted: list[int]) -> mx.array | None:
+    """The target hidden state that predicted each row's bonus token: ``[B, D]``."""
+    hidden = getattr(runner, "hidden", None)  # [B, k+1, D] from the verify forward
+    if hidden is None:
+        return None
+    return hidden[mx.arange(len(accepted)), mx.array(accepted)]
+
+
+def last_hidden(runner) -> mx.array | None:
+    """``[B, D]``: the hidden state at the last position of the runner's latest forward."""
+    hidden = getattr(runner, "hidden", None)
+    return None if hidden is None else hidden[:, -1]

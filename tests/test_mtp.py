@@ -1,0 +1,105 @@
+"""The MTP head drafter: exact streams through both loops, transitions and schedules."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import make_request, run_batch, run_plain, run_scalar
+from test_properties import run_schedules
+
+from specbatch import Engine, SamplingParams
+from specbatch.config import EngineConfig
+from specbatch.drafters.mtp import MTPDrafter, MTPHead, head_config, load_head, save_head
+from specbatch.loops.batch import BatchLoop
+from specbatch.loops.scalar import ScalarLoop
+from specbatch.runner import ModelRunner
+
+PROMPTS = ["def f(x):", "import os\n", "class A:\n    pass\n", "x = 1", "# c\n" * 4]
+
+
+@pytest.fixture(scope="module")
+def head(tiny):
+    mx.random.seed(3)
+    h = MTPHead(head_config(tiny.model.args, intermediate_size=64))
+    mx.eval(h.parameters())
+    return h
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_mtp_streams_equal_plain(tiny, head, k):
+    params = [dict(max_tokens=9 + 3 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+              for i in range(5)]
+    plain = [run_plain(tiny, p, **kw) for p, kw in zip(PROMPTS, params)]
+    assert [run_scalar(tiny, head, p, k=k, **kw)[0] for p, kw in zip(PROMPTS, params)] == plain
+    assert run_batch(tiny, head, PROMPTS, k=k, params=params)[0] == plain
+
+
+def test_mtp_close_anywhere_and_rebuild(tiny, head):
+    kw = dict(max_tokens=24, temperature=0.7, seed=9, ignore_eos=True)
+    reference = run_plain(tiny, "def g(a):", **kw)
+    for delivered in (1, 2, 3, 5, 8):
+        request = make_request(tiny, "def g(a):", **kw)
+        runner = ModelRunner(tiny.model)
+        scalar = ScalarLoop(runner, MTPDrafter(head, runner), request, 3)
+        scalar.start()
+        while request.emitted < delivered:
+            scalar.step()
+        batch = BatchLoop(runner, MTPDrafter(head, runner), 3)
+        batch.rebuild(scalar.close())
+        batch.capture_round()  # cold start: one hidden state per row, no re-prefill
+        assert batch.drafter.width == 1
+        while not request.finished:
+            batch.spec_round()
+        assert request.tokens == reference
+
+
+def test_mtp_through_the_engine_and_random_schedules(tiny, head):
+    jobs = [("def f(x):", SamplingParams(max_tokens=40, temperature=0.8, seed=1, ignore_eos=True))]
+    jobs += [(f"y = {i}", SamplingParams(max_tokens=5, ignore_eos=True)) for i in range(3)]
+    ref = [run_plain(tiny, p, max_tokens=sp.max_tokens, temperature=sp.temperature, seed=sp.seed,
+                     ignore_eos=True) for p, sp in jobs]
+    with Engine(tiny, head, EngineConfig(num_draft_tokens=3, speculative_width_cap=2, rearm_min_remaining=4)) as eng:
+        first = eng.submit(*jobs[0])
+        next(iter(first))
+        rest = [eng.submit(p, sp) for p, sp in jobs[1:]]
+        assert [h.result(60).token_ids for h in [first, *rest]] == ref
+    run_schedules(tiny, [head, head], examples=10, steps=10)
+
+
+def test_head_round_trip_and_checkpoint_layout(tiny, head, tmp_path):
+    save_head(head, tmp_path / "ours")
+    again = load_head(tmp_path / "ours")
+    h = mx.random.normal((1, head.config["hidden_size"]))
+    assert mx.allclose(again.eh_proj(mx.concatenate([h, h], -1)), head.eh_proj(mx.concatenate([h, h], -1)), atol=1e-2)
+    from specbatch.drafters.mtp_checkpoint import write_tiny_checkpoint
+    for style in ("deepseek", "qwen3-next"):
+        folder = write_tiny_checkpoint(tmp_path / style, tiny, style=style)
+        loaded = load_head(folder, tiny.model.args)
+        assert isinstance(loaded, MTPHead)
+        out, _ = run_scalar(tiny, loaded, "def f(x):", k=3, max_tokens=10, ignore_eos=True)
+        assert out == run_plain(tiny, "def f(x):", max_tokens=10, ignore_eos=True)
+    with pytest.raises(ValueError, match="MTP layer"):
+        load_head(write_plain(tmp_path / "none", tiny))
+
+
+def write_plain(folder, tiny):
+    import json
+
+    from mlx.utils import tree_flatten
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(tiny.model.parameters())))
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": len(tiny.model.layers)}))
+    return folder
+
+
+def test_training_path_matches_the_drafting_path(tiny, head):
+    runner = ModelRunner(tiny.model)
+    cache = tiny.model.make_cache()
+    x = mx.array([[5, 9, 33, 7, 120, 44, 3, 81]])
+    runner.forward(x, cache)
+    H, K, V = runner.hidden, cache[-1].keys[..., :8, :], cache[-1].values[..., :8, :]
+    out = head.train_forward(H[:, :-1], runner.embed(x[:, 1:]), K[..., :7, :], V[..., :7, :])  # [1, 7, D]
+    for n in range(7):
+        step, _, _ = head.step(H[:, n], runner.embed(x[:, n + 1]), mx.array([n + 1]), K[..., :n + 1, :],
+                               V[..., :n + 1, :], mx.ones((1, n + 1), dtype=mx.bool_), [], [])
+        assert mx.allclose(step, out[:, n], atol=1e-4), n
