@@ -22,16 +22,21 @@ def pair_key(target: str, drafter: str | None) -> str:
     return f"{Path(target).name}+{Path(drafter).name if drafter else 'none'}"
 
 
+SHIPPED = Path(__file__).parent / "demo_models" / "calibration.json"  # measured for the demo pair
+
+
 def lookup(target: str, drafter: str | None, field: str = "cap") -> int | None:
-    """A calibrated value ("cap" or "k") for this pair on this machine, if measured."""
-    path = calibration_file()
-    if not path.exists():
-        return None
-    try:
-        table = json.loads(path.read_text())
-        return int(table[machine_key()][pair_key(target, drafter)][field])
-    except (KeyError, ValueError, TypeError, json.JSONDecodeError):
-        return None
+    """A calibrated value ("cap" or "k") for this pair on this machine: the user's own
+    calibration first, then the one shipped with the demo pair."""
+    for path in (calibration_file(), SHIPPED):
+        if not path.exists():
+            continue
+        try:
+            table = json.loads(path.read_text())
+            return int(table[machine_key()][pair_key(target, drafter)][field])
+        except (KeyError, ValueError, TypeError, json.JSONDecodeError):
+            continue
+    return None
 
 
 def lookup_cap(target: str, drafter: str | None) -> int | None:
