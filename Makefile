@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 RUN     := $(PY) -m specbatch.blas   # starts Python with OpenBLAS preloaded (Linux CPU)
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench calibrate serve statecharts clean
+.PHONY: setup test test-fast demo bench calibrate serve statecharts clean demo-pair
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -38,3 +38,12 @@ statecharts: $(STAMP)
 
 clean:
 	rm -rf .venv build .pytest_cache .hypothesis
+
+# Retrain the embedded demo pair from scratch (hours on 2 cores; resumable), then its
+# MTP head, then measure and calibrate it for this machine kind.
+DEMO := src/specbatch/demo_models
+demo-pair: $(STAMP)
+	$(RUN) scripts/train_demo_pair.py --work build/train --out $(DEMO)
+	$(RUN) scripts/train_mtp_head.py --target $(DEMO)/target --out $(DEMO)/mtp --minutes 4
+	$(RUN) scripts/measure_pair.py --out $(DEMO)/speed.json
+	SPECBATCH_CALIBRATION=$(DEMO)/calibration.json .venv/bin/specbatch calibrate

@@ -30,13 +30,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from tqdm import tqdm
 
-SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>\n{{ m['content'] }}\n"
-    "{% elif m['role'] == 'assistant' %}<|assistant|>\n{{ m['content'] }}<|endoftext|>\n"
-    "{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+from specbatch.tiny import CHAT_TEMPLATE, SPECIALS  # one tokenizer convention for all our models
+
 SHAPES = {
     "target": dict(hidden_size=384, num_hidden_layers=8, intermediate_size=1152,
                    num_attention_heads=6, num_key_value_heads=6),

@@ -59,3 +59,17 @@ def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, param
             loop.plain_round(successor=False)
         loop.reap()
     return [r.tokens for r in requests], rounds
+
+
+def inject_failure(engine, at_call: int, message: str = "injected kernel failure") -> None:
+    """Make the engine's target forward raise once, on call number ``at_call``."""
+    runner = engine.scheduler.runner
+    real, calls = runner.forward, {"n": 0}
+
+    def flaky(tokens, cache):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            raise RuntimeError(message)
+        return real(tokens, cache)
+
+    runner.forward = flaky

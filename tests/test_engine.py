@@ -133,20 +133,10 @@ def test_threads_submit_concurrently(plain):
 
 
 def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(tiny):
-    from specbatch.runner import ModelRunner
+    from helpers import inject_failure
 
     with Engine(tiny, None, EngineConfig(speculation=False)) as engine:
-        runner = engine.scheduler.runner
-        calls = {"n": 0}
-        real = ModelRunner.forward
-
-        def flaky(self, tokens, cache):
-            calls["n"] += 1
-            if calls["n"] == 5:
-                raise RuntimeError("injected kernel failure")
-            return real(self, tokens, cache)
-
-        runner.forward = flaky.__get__(runner)
+        inject_failure(engine, at_call=5)
         victim = engine.submit("def f(x):", SamplingParams(max_tokens=30, ignore_eos=True)).result(30)
         assert victim.finish_reason == "error" and "injected" in victim.error
         after = engine.submit("def g(x):", SamplingParams(max_tokens=5, ignore_eos=True)).result(30)

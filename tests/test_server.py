@@ -245,22 +245,13 @@ def test_sigterm_drains_and_exits_zero(model_dir):
 
 
 def test_failure_after_streaming_started_sends_an_error_event(model_dir):
+    from helpers import inject_failure
+
     from specbatch.models import load
-    from specbatch.runner import ModelRunner
     engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False))
     served = Served(engine)
     try:
-        runner = engine.scheduler.runner
-        calls = {"n": 0}
-        real = ModelRunner.forward
-
-        def flaky(self, tokens, cache):
-            calls["n"] += 1
-            if calls["n"] == 6:
-                raise RuntimeError("injected")
-            return real(self, tokens, cache)
-
-        runner.forward = flaky.__get__(runner)
+        inject_failure(engine, at_call=6)
         body = {"prompt": "def f(x):", "max_tokens": 40, "stream": True}
         with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
