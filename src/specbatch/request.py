@@ -171,9 +171,9 @@ class Request:
             reason = "length"
         if reason is not None:
             text += self.stream.finish()
-        self.handle._push(TokenEvent(self.id, self.emitted - 1, token, text, reason))
         if reason is not None:
-            self._close(reason)
+            self._close(reason)  # complete first: whoever sees the last event finds the result ready
+        self.handle._push(TokenEvent(self.id, self.emitted - 1, token, text, reason))
         return reason is not None
 
     def abort(self, reason: str, error: str | None = None) -> None:
@@ -181,8 +181,8 @@ class Request:
         if self.finished:
             return
         text = self.stream.finish() if reason != "error" else ""
-        self.handle._push(TokenEvent(self.id, self.emitted, None, text, reason, error))
         self._close(reason, error)
+        self.handle._push(TokenEvent(self.id, self.emitted, None, text, reason, error))
 
     def _close(self, reason: str, error: str | None = None) -> None:
         self.finish_reason = reason

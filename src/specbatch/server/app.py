@@ -99,7 +99,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
             finish, error = event.finish_reason, event.error
         if finish == "error":
             return error_response(APIError(500, error or "generation failed", None, "generation_failed", "server_error"))
-        done = req.handle.result(5)
+        done = req.handle.result(0)  # complete before its last event was pushed: never blocks
         usage = {"prompt_tokens": done.usage.prompt_tokens, "completion_tokens": done.usage.completion_tokens,
                  "total_tokens": done.usage.total_tokens}
         finish = "stop" if finish == "cancelled" else finish
@@ -164,7 +164,7 @@ async def _sse(events, rid, kind, name, created, chat, include_usage, req):
         if event.text or finish:
             yield _data(chunk(event.text, finish))
     if include_usage:
-        done = req.handle.result(5)
+        done = req.handle.result(0)  # complete before its last event was pushed: never blocks
         usage = {"prompt_tokens": done.usage.prompt_tokens, "completion_tokens": done.usage.completion_tokens,
                  "total_tokens": done.usage.total_tokens}
         yield _data({"id": rid, "object": chunk_kind, "created": created, "model": name, "choices": [], "usage": usage})
