@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-STEP = 256  # grow capacity in blocks, as mlx-lm does, so appends rarely copy
+STEP = 64  # grow capacity in blocks: rare copies, little padding (mlx-lm uses 256)
 
 
 def _round_up(n: int) -> int:

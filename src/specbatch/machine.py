@@ -187,6 +187,7 @@ class SpecMachine:
         self.stats.rounds += 1
         if result is not None:
             self.stats.record_round(requests, result)
+            log.debug("verify", width=len(requests), k=result.drafted, accepted=result.accepted)
         self.done += self.batch.reap()
         self._fire("drain")
 
