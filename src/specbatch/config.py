@@ -54,6 +54,7 @@ class EngineConfig:
     resume: bool = attrs.field(factory=lambda: _flag("SPECBATCH_RESUME", "GMLX_MTP_RESUME"))
     rearm_min_remaining: int = attrs.field(default=8, validator=attrs.validators.ge(0))
     rearm_patience: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # hysteresis, rounds
+    pipeline: bool = True  # plain rounds dispatch their successor before reading (async eval)
     kv_budget_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # 0: unbounded
     prompt_cache_bytes: int = attrs.field(default=256 << 20, validator=attrs.validators.ge(0))
     verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))

@@ -200,7 +200,7 @@ class SpecMachine:
         self.calm_rounds = self.calm_rounds + 1 if self.config.speculates_at(loop.width) else 0
         if self._fire("drain") or self._fire("rearm"):
             return
-        loop.plain_round(successor=not (self.more_coming or self.waiting))
+        loop.plain_round(successor=self.config.pipeline and not (self.more_coming or self.waiting))
         self.stats.rounds += 1
         if loop.settled:
             self.done += loop.reap()
