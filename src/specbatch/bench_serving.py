@@ -168,7 +168,7 @@ def suite_drafters(ctx) -> dict:
     from .models import demo_pair, load, load_mtp_head
     pair = demo_pair() if ctx.target.name == str(demo_pair()["target"]) else None
     drafters = {"model": ctx.drafter if hasattr(ctx.drafter, "model") else load(pair["drafter"]),
-                "mtp": load_mtp_head(None, ctx.target)}
+                "mtp": load_mtp_head(pair["mtp"] if pair else None, ctx.target)}
     prompts = code_prompts(ctx.target.tokenizer, 4)
     rows = []
     for name, drafter in drafters.items():
