@@ -215,7 +215,12 @@ def run_bench(args) -> int:
         for name in args.suite.split(","):
             if name not in suites:
                 raise ValueError(f"unknown bench suite {name!r}; choose from {sorted(suites)}")
-            results["suites"][name] = suites[name](ctx)
+            try:
+                results["suites"][name] = suites[name](ctx)
+            except Exception as exc:  # one failing suite must not lose the others' results
+                print(f"\n== {name} failed: {exc!r}")
+                results.setdefault("failed", {})[name] = repr(exc)
+                continue
             print_table(name, results["suites"][name]["rows"])
     finally:
         ctx.close()

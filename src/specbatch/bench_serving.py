@@ -165,10 +165,13 @@ def suite_drafters(ctx) -> dict:
 
     from .bench import code_prompts, engine_tok_s
     from .engine import Engine
-    from .models import demo_pair, load, load_mtp_head
+    from .models import ModelNotFound, demo_pair, load, load_mtp_head
     pair = demo_pair() if ctx.target.name == str(demo_pair()["target"]) else None
-    drafters = {"model": ctx.drafter if hasattr(ctx.drafter, "model") else load(pair["drafter"]),
-                "mtp": load_mtp_head(pair["mtp"] if pair else None, ctx.target)}
+    drafters = {"model": ctx.drafter if hasattr(ctx.drafter, "model") else load(pair["drafter"])}
+    try:
+        drafters["mtp"] = load_mtp_head(pair["mtp"] if pair else None, ctx.target)
+    except ModelNotFound as exc:
+        print(f"drafters: no MTP head, comparing the draft model alone ({exc})")
     prompts = code_prompts(ctx.target.tokenizer, 4)
     rows = []
     for name, drafter in drafters.items():
