@@ -114,6 +114,9 @@ def soak(engine, tokenizer, n: int = 1000, seed: int = 0) -> dict:
 
     from .demo import PROMPTS
     rng = random.Random(seed)
+    warm = [engine.submit(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=24, seed=i)) for i in range(32)]
+    for h in warm:  # the idle level is that of a warm engine (kernels, allocator pools)
+        h.result(600)
     gc.collect()
     mx.clear_cache()
     idle = rss_bytes()

@@ -193,7 +193,7 @@ class Engine:
             request.cancel_requested = True
             if request in self._waiting:
                 self._waiting.remove(request)
-                request.abort("cancelled")
+                self._book([request])
 
     def _run(self) -> None:
         try:
@@ -207,8 +207,7 @@ class Engine:
         while True:
             self._intake(block=not self.scheduler.busy and not self._waiting)
             if self._closing and not self._drain:
-                for request in list(self._waiting):
-                    request.abort("cancelled")
+                self._book(list(self._waiting))
                 self._waiting.clear()
                 for request in self.scheduler.requests():
                     request.cancel_requested = True
@@ -228,8 +227,12 @@ class Engine:
             for request in finished:
                 request.abort("error", f"internal error: {exc}")
         self._gauges = self.scheduler.gauges()
+        self._book(finished)
+
+    def _book(self, finished: list[Request]) -> None:
+        """Close out requests that left the engine: final event, counters, forget them."""
         for request in finished:
-            if request.cancel_requested and not request.finished:
+            if not request.finished:
                 request.abort("cancelled")
             self._stats.record_finish(request)
             log.info("finish", request=request.id, reason=request.finish_reason, tokens=request.emitted,
