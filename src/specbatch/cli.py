@@ -105,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(d)
     d.set_defaults(func=cmd_demo)
 
+    _measuring_parsers(sub)
+
+    s = sub.add_parser("statechart", help="write or check the Mermaid chart of the machine")
+    s.add_argument("--write", action="store_true")
+    s.add_argument("--check", action="store_true")
+    s.add_argument("--trace", default=None, help="JSON log of a run: draw the path it took")
+    s.set_defaults(func=cmd_statechart)
+    return ap
+
+
+def _measuring_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks side by side with mlx-lm")
     b.add_argument("--suite", default="plain,scalar,widths,transitions,memory,serving,drafters",
                    help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters")
@@ -123,13 +134,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--margin", type=float, default=0.03, help="speculation must win by this much")
     _model_args(c)
     c.set_defaults(func=cmd_calibrate)
-
-    s = sub.add_parser("statechart", help="write or check the Mermaid chart of the machine")
-    s.add_argument("--write", action="store_true")
-    s.add_argument("--check", action="store_true")
-    s.add_argument("--trace", default=None, help="JSON log of a run: draw the path it took")
-    s.set_defaults(func=cmd_statechart)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
