@@ -1,7 +1,7 @@
-"""``make demo``: staggered concurrent requests on the embedded pair, streams and
-transitions live, then a summary. The schedule passes Scalar -> Batched -> Gated ->
-Batched -> Idle: one request starts alone, waiters preempt it, the batch grows past the
-cap and gates, then shrinks back and re-arms."""
+"""``make demo``: requests on the embedded pair, streams and transitions live, then a
+summary. Three acts take every edge of the chart: one request alone (Idle -> Scalar ->
+Idle); staggered arrivals (Scalar -> Batched by preempt, Batched -> Gated over the cap,
+Gated -> Batched by re-arm, Batched -> Idle); a burst over the cap (Idle -> Gated -> Idle)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,12 @@ def run_demo(args) -> int:
     _say(f"specbatch demo: target={engine.target.name}\n  drafter={engine.drafter and engine.drafter.name} "
          f"k={engine.config.num_draft_tokens} cap={cap} speculation={engine.config.speculation}")
     n = max(args.requests, cap + 2)
-    followers, start = [], time.perf_counter()
+    start = time.perf_counter()
+    _say("\n-- one request alone: Idle -> Scalar -> Idle")
+    alone = engine.submit(PROMPTS[0], SamplingParams(max_tokens=args.max_tokens, temperature=0.0, seed=99))
+    _follow(alone.request_id, PROMPTS[0], alone)
+    _say("\n-- staggered arrivals: preempt, gate, re-arm, drain")
+    followers = [(None, alone)]
     for i in range(n):
         long = i == 0 or i == n - 1  # the first and the last outlive the rest: re-arm happens
         params = SamplingParams(max_tokens=args.max_tokens * (3 if long else 1),
@@ -63,7 +68,17 @@ def run_demo(args) -> int:
         followers.append((follower, handle))
         time.sleep(0.4 if i == 0 else 0.02)  # the first speculates alone before waiters arrive
     for follower, handle in followers:
-        follower.join(600)
+        if follower is not None:
+            follower.join(600)
+    _say("\n-- a burst over the cap at idle: Idle -> Gated -> Idle")
+    burst = [engine.submit(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=8, seed=200 + i))
+             for i in range((cap or 4) + 2)]
+    for handle in burst:
+        handle.result(600)
+    while engine.stats()["state"] != "Idle":
+        time.sleep(0.01)
+    followers += [(None, h) for h in burst]
+    n = len(followers)
     elapsed = time.perf_counter() - start
     stats = engine.stats()
     engine.close()
