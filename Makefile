@@ -4,7 +4,8 @@ STAMP   := .venv/.installed
 RUN     := $(PY) -m specbatch.blas   # starts Python with OpenBLAS preloaded (Linux CPU)
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench calibrate serve statecharts clean demo-pair
+
+.PHONY: setup test lint test-fast demo bench calibrate serve statecharts clean demo-pair
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -16,6 +17,9 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(RUN) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	.venv/bin/ruff check src tests scripts examples
 
 test-fast: $(STAMP)
 	$(RUN) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .config import EngineConfig
 from .demo import PROMPTS
 from .engine import Engine
 from .sampling import SamplingParams
