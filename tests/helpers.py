@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from specbatch.detok import TextStream
 from specbatch.loops.batch import BatchLoop
 from specbatch.loops.scalar import ScalarLoop
 from specbatch.machine import make_drafter
-from specbatch.request import Request, RequestHandle
+from specbatch.request import Request
 from specbatch.runner import ModelRunner
 from specbatch.sampling import SamplingParams
 
@@ -14,8 +13,7 @@ from specbatch.sampling import SamplingParams
 def make_request(loaded, prompt, **params) -> Request:
     ids = list(loaded.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
     sp = SamplingParams(**{"seed": 0, **params})
-    return Request(ids, sp, TextStream(loaded.tokenizer, sp.stop), RequestHandle("t", sp.seed, len(ids)),
-                   frozenset(loaded.tokenizer.eos_token_ids))
+    return Request.create(ids, sp, loaded.tokenizer)
 
 
 def run_plain(target, prompt, **params) -> list[int]:

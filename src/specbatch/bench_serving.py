@@ -146,17 +146,16 @@ def soak(engine, tokenizer, n: int = 1000, seed: int = 0) -> dict:
 
 def rearm_cost(target, drafter, width: int, history: int) -> float:
     """Seconds for one capture round plus the drafter's cold start, ``width`` rows."""
-    from .detok import TextStream
     from .loops.batch import BatchLoop
     from .machine import make_drafter
-    from .request import Request, RequestHandle
+    from .request import Request
     from .runner import ModelRunner
     runner = ModelRunner(target.model)
     loop = BatchLoop(runner, make_drafter(drafter, runner, batch=True), 4)
     for i in range(width):
         prompt = [(7 * i + j) % 500 + 3 for j in range(history)]
         sp = SamplingParams(max_tokens=64, ignore_eos=True, seed=i)
-        loop.admit(Request(prompt, sp, TextStream(target.tokenizer), RequestHandle("b", i, history), frozenset()))
+        loop.admit(Request.create(prompt, sp, target.tokenizer))
     t0 = time.perf_counter()
     loop.capture_round()
     return time.perf_counter() - t0
@@ -166,7 +165,7 @@ def suite_drafters(ctx) -> dict:
     """The separate draft model next to the MTP head on the same target."""
     import attrs
 
-    from .bench import code_prompts, engine_tok_s
+    from .bench import _acceptance, code_prompts, engine_tok_s
     from .engine import Engine
     from .models import ModelNotFound, demo_pair, load, load_mtp_head
     pair = demo_pair() if ctx.target.name == str(demo_pair()["target"]) else None
@@ -184,10 +183,8 @@ def suite_drafters(ctx) -> dict:
             engine_tok_s(engine, prompts[:2], 8)
             before = engine.stats()
             speed = statistics.median(engine_tok_s(engine, prompts[:width], ctx.tokens) for _ in range(ctx.repeats))
-            after = engine.stats()
-            drafted = after["drafted_tokens"] - before["drafted_tokens"]
             rows.append({"drafter": name, "width": width, "tok_s": speed,
-                         "acceptance": (after["accepted_tokens"] - before["accepted_tokens"]) / max(1, drafted),
+                         "acceptance": _acceptance(before, engine.stats()),
                          "rearm_cost_s": rearm_cost(ctx.target, drafter, width, 128)})
             engine.close()
     return {"rows": rows}

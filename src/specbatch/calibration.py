@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 
 
@@ -84,9 +85,9 @@ def run_calibrate(args) -> int:
         k = config.num_draft_tokens if args.num_draft_tokens else _best_k(ctx, prompts[:1], args)
         spec = ctx.engine(speculative_width_cap=0, num_draft_tokens=k)
         for width in widths:
-            p = sorted(engine_tok_s(plain, prompts[:width], args.tokens) for _ in range(args.repeats))
-            s = sorted(engine_tok_s(spec, prompts[:width], args.tokens) for _ in range(args.repeats))
-            curve[width] = s[len(s) // 2] / p[len(p) // 2]
+            p = statistics.median(engine_tok_s(plain, prompts[:width], args.tokens) for _ in range(args.repeats))
+            s = statistics.median(engine_tok_s(spec, prompts[:width], args.tokens) for _ in range(args.repeats))
+            curve[width] = s / p
             print(f"width {width:3d}: speculative / plain = {curve[width]:.3f}", flush=True)
     finally:
         ctx.close()
@@ -103,7 +104,6 @@ def _best_k(ctx, prompt, args) -> int:
     speeds = {}
     for k in (2, 3, 4, 5, 6):
         engine = ctx.engine(speculative_width_cap=1, num_draft_tokens=k)
-        runs = sorted(engine_tok_s(engine, prompt, args.tokens) for _ in range(args.repeats))
-        speeds[k] = runs[len(runs) // 2]
+        speeds[k] = statistics.median(engine_tok_s(engine, prompt, args.tokens) for _ in range(args.repeats))
         print(f"k {k}: {speeds[k]:.1f} tok/s alone", flush=True)
     return max(speeds, key=speeds.get)

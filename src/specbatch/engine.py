@@ -22,7 +22,6 @@ import structlog
 
 from .config import EngineConfig
 from .errors import EngineClosed, InvalidRequest, QueueFull
-from .detok import TextStream
 from .models import LoadedModel
 from .request import Request, RequestHandle
 from .sampling import SamplingParams
@@ -82,15 +81,10 @@ class Engine:
     # -- caller side ------------------------------------------------------------------
     def encode(self, prompt: str | Iterable[int]) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("prompt must not be empty", "prompt")
             return list(self.tokenizer.encode(prompt))
-        try:
-            ids = [int(t) for t in prompt]
-            if any(isinstance(t, bool) or int(t) != t for t in prompt):
-                raise TypeError
-        except (TypeError, ValueError):
-            raise InvalidRequest("prompt must be a string or a list of token ids", "prompt") from None
+        ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
+        if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
         if any(not 0 <= t < self.target.vocab_size for t in ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.target.vocab_size})", "prompt")
         return ids
@@ -116,11 +110,7 @@ class Engine:
             params = attrs.evolve(params, max_tokens=room)
         if self._inbox.qsize() + len(self._waiting) >= self.config.max_queue:
             raise QueueFull(f"{self.config.max_queue} requests are already waiting")
-        handle = RequestHandle("", params.seed, len(ids))
-        request = Request(ids, params, TextStream(self.tokenizer, params.stop), handle,
-                          frozenset(self.tokenizer.eos_token_ids))
-        handle.request_id = request.id
-        return request
+        return Request.create(ids, params, self.tokenizer)
 
     def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> RequestHandle:
         """Queue a request and return its handle at once."""

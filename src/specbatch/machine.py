@@ -266,8 +266,9 @@ class SpecMachine:
         """A round raised: fail the rows it touched, go back to Idle, keep serving."""
         failed = self.requests()
         self.scalar, self.batch = None, None
-        self.stats.transitions[f"{self.state}->Idle"] += 1
-        self.machine.set_state("Idle", model=self)
+        if self.state != "Idle":  # a failed hook may fail before its transition completed
+            self.stats.transitions[f"{self.state}->Idle"] += 1
+            self.machine.set_state("Idle", model=self)
         return failed
 
     def gauges(self) -> dict:

@@ -111,6 +111,7 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
 
     name = str(path_or_id)
     local = Path(name).expanduser()
+    # not a folder here, and not shaped like a hub id ("org/name"): no hub to ask either
     if not local.exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         raise ModelNotFound(f"model not found: {name!r}")
     try:

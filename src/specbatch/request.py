@@ -136,6 +136,15 @@ class Request:
     gaps: list[float] = attrs.field(factory=list)  # inter-token latencies, seconds
     spec: SpecStats = attrs.field(factory=SpecStats)
 
+    @classmethod
+    def create(cls, prompt: list[int], params: SamplingParams, tokenizer) -> "Request":
+        """A request and its handle (``params`` must carry its seed already)."""
+        handle = RequestHandle("", params.seed, len(prompt))
+        request = cls(prompt, params, TextStream(tokenizer, params.stop), handle,
+                      frozenset(tokenizer.eos_token_ids))
+        handle.request_id = request.id
+        return request
+
     @property
     def emitted(self) -> int:
         return len(self.tokens)
