@@ -152,3 +152,16 @@ def test_kv_budget_makes_admission_wait(tiny):
         while not all(h.done for h in handles):
             widths.add(engine.stats()["width"])
         assert max(widths) <= 2 and all(len(h.result().token_ids) == 20 for h in handles)
+
+
+def test_submit_many_arrives_as_one_burst(tiny):
+    with Engine(tiny, tiny, EngineConfig(num_draft_tokens=2, speculative_width_cap=2)) as engine:
+        handles = engine.submit_many(["a = 1", "b = 2", "c = 3"], SamplingParams(max_tokens=4, seed=1))
+        assert all(len(h.result(30).token_ids) <= 4 for h in handles)
+        deadline = time.time() + 10
+        while engine.stats()["state"] != "Idle" and time.time() < deadline:
+            time.sleep(0.005)
+        assert engine.stats()["transitions"] == {"Idle->Gated": 1, "Gated->Idle": 1}
+        with pytest.raises(InvalidRequest):
+            engine.submit_many(["ok", ""])
+        assert engine.stats()["requests_submitted"] == 3  # nothing of a bad batch is queued

@@ -58,8 +58,10 @@ def run_demo(args) -> int:
     _say("\n-- staggered arrivals: preempt, gate, re-arm, drain")
     followers = [(None, alone)]
     for i in range(n):
-        long = i == 0 or i == n - 1  # the first and the last outlive the rest: re-arm happens
-        params = SamplingParams(max_tokens=args.max_tokens * (3 if long else 1),
+        # the first outlives the short ones, the last outlives everyone by far: when it is
+        # alone (or within the cap) with many tokens left, the gated batch re-arms
+        scale = 3 if i == 0 else (6 if i == n - 1 else 1)
+        params = SamplingParams(max_tokens=args.max_tokens * scale,
                                 temperature=0.0 if i % 2 == 0 else 0.7, seed=i)
         prompt = PROMPTS[i % len(PROMPTS)]
         handle = engine.submit(prompt, params)
@@ -71,8 +73,8 @@ def run_demo(args) -> int:
         if follower is not None:
             follower.join(600)
     _say("\n-- a burst over the cap at idle: Idle -> Gated -> Idle")
-    burst = [engine.submit(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=8, seed=200 + i))
-             for i in range((cap or 4) + 2)]
+    burst = engine.submit_many([PROMPTS[i % len(PROMPTS)] for i in range((cap or 4) + 2)],
+                               SamplingParams(max_tokens=8, seed=200))
     for handle in burst:
         handle.result(600)
     while engine.stats()["state"] != "Idle":

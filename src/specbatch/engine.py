@@ -51,10 +51,11 @@ class Engine:
         self.tokenizer = target.tokenizer
         self._stats = EngineStats()
         self.scheduler: Scheduler = build_scheduler(target, drafter, self.config, self._stats)
-        self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[list[Request] | None] = queue.SimpleQueue()  # batches of arrivals
         self._waiting: collections.deque[Request] = collections.deque()
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._live: dict[str, Request] = {}
+        self._in_flight_to_queue = 0  # submitted, not yet moved to the waiting list
         self._lock = threading.Lock()
         self._closing = False
         self._drain = True
@@ -108,7 +109,7 @@ class Engine:
         params = params.with_seed()
         if params.max_tokens > room:  # a prompt may fill the context up to the limit
             params = attrs.evolve(params, max_tokens=room)
-        if self._inbox.qsize() + len(self._waiting) >= self.config.max_queue:
+        if self._in_flight_to_queue + len(self._waiting) >= self.config.max_queue:
             raise QueueFull(f"{self.config.max_queue} requests are already waiting")
         return Request.create(ids, params, self.tokenizer)
 
@@ -118,11 +119,18 @@ class Engine:
         self._enqueue(request)
         return request.handle
 
-    def _enqueue(self, request: Request) -> None:
+    def submit_many(self, prompts: list, params: SamplingParams | dict | None = None) -> list[RequestHandle]:
+        """Queue several requests as one arrival: the next drain sees them all together."""
+        requests = [self.prepare(p, params) for p in prompts]  # all valid, or none queued
+        self._enqueue(*requests)
+        return [r.handle for r in requests]
+
+    def _enqueue(self, *requests: Request) -> None:
         with self._lock:
-            self._live[request.id] = request
-        self._stats.submitted += 1
-        self._inbox.put(request)
+            self._live.update((r.id, r) for r in requests)
+            self._in_flight_to_queue += len(requests)
+        self._stats.submitted += len(requests)
+        self._inbox.put(list(requests))
 
     async def stream(self, prompt, params=None):
         """``async for event in engine.stream(...)``; cancels the request if abandoned."""
@@ -150,7 +158,7 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters and gauges; safe from any thread (gauges are the last step's)."""
-        return self._stats.snapshot(self._gauges, queue_depth=len(self._waiting) + self._inbox.qsize())
+        return self._stats.snapshot(self._gauges, queue_depth=len(self._waiting) + self._in_flight_to_queue)
 
     def close(self, drain: bool = False, timeout: float | None = 60.0) -> None:
         """Stop admitting; finish (``drain``) or cancel in-flight work; join the thread."""
@@ -170,7 +178,9 @@ class Engine:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
                 if item is not None:
-                    self._waiting.append(item)
+                    self._waiting.extend(item)
+                    with self._lock:
+                        self._in_flight_to_queue -= len(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
