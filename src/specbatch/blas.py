@@ -100,7 +100,9 @@ def ensure_openblas(argv: list[str] | None = None) -> None:
     if os.environ.get(_MARK) == "1" or not wanted() or openblas_path() is None:
         return
     env = preload_env()
-    argv = list(sys.argv if argv is None else argv)
+    # orig_argv keeps "-m specbatch.cli"; sys.argv[0] would be the module's file, run
+    # as a script outside its package
+    argv = list(sys.orig_argv[1:] if argv is None else argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *argv], env)

@@ -22,19 +22,34 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true")
 
 
+def _distributed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed", action="store_true",
+                   help="shard the target across the ranks of an mlx.launch job (rank 0 serves)")
+    p.add_argument("--backend", default="ring", help="MLX distributed backend (ring, mpi, nccl)")
+    p.add_argument("--peer-timeout", type=float, default=60.0,
+                   help="seconds without a message from the other ranks before they count as lost")
+
+
 def _engine(args, **options):
+    """The engine (rank 0 / single process), or None on a follower rank once it is done."""
     from . import Engine
-    return Engine.from_pretrained(args.model, args.draft_model, speculation=not args.no_speculation,
-                                  speculative_width_cap=args.speculative_width_cap,
-                                  num_draft_tokens=args.num_draft_tokens, dtype=args.dtype,
-                                  drafter=args.drafter, **options)
+    options = dict(options, speculation=not args.no_speculation, speculative_width_cap=args.speculative_width_cap,
+                   num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, drafter=args.drafter)
+    if not getattr(args, "distributed", False):
+        return Engine.from_pretrained(args.model, args.draft_model, **options)
+    from .dist import sharded_engine
+    return sharded_engine(args.model, args.draft_model, backend=args.backend, timeout_s=args.peer_timeout,
+                          **options)
 
 
 def cmd_generate(args) -> int:
     from . import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
-    with _engine(args) as engine:
+    engine = _engine(args)
+    if engine is None:  # a follower rank: it replayed the driver's rounds
+        return 0
+    with engine:
         handle = engine.submit(args.prompt, params)
         sys.stdout.write(args.prompt)
         for event in handle:
@@ -50,8 +65,9 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     from .server.serve import serve
-    return serve(args, _engine(args, max_queue=args.max_queue, kv_budget_bytes=args.kv_budget_mb << 20,
-                               prompt_cache_bytes=args.prompt_cache_mb << 20))
+    engine = _engine(args, max_queue=args.max_queue, kv_budget_bytes=args.kv_budget_mb << 20,
+                     prompt_cache_bytes=args.prompt_cache_mb << 20)
+    return 0 if engine is None else serve(args, engine)
 
 
 def cmd_demo(args) -> int:
@@ -85,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     _model_args(g)
+    _distributed_args(g)
     g.set_defaults(func=cmd_generate)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -97,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-budget-mb", type=int, default=0, help="target KV budget; admission waits past it (0: none)")
     sv.add_argument("--prompt-cache-mb", type=int, default=256, help="prompt (prefix) cache bound")
     _model_args(sv)
+    _distributed_args(sv)
     sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="staggered concurrent requests, live transitions, a summary")
@@ -149,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"specbatch: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # a follower rank that lost the driver, a backend that failed
+        print(f"specbatch: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import queue
 import threading
 import weakref
@@ -25,6 +24,7 @@ from .errors import EngineClosed, InvalidRequest, QueueFull
 from .models import LoadedModel
 from .request import Request, RequestHandle
 from .sampling import SamplingParams
+from .plan import Plan, PlanRunner, fingerprint
 from .scheduler import Scheduler, build_scheduler
 from .stats import EngineStats
 
@@ -44,17 +44,23 @@ class Engine:
     """Speculative decoding and continuous batching together, behind one small API."""
 
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, *, scheduler_factory=build_scheduler,
+                 lockstep=None):
+        """``scheduler_factory(target, drafter, config, stats)`` builds the scheduler (the
+        state machine by default); ``lockstep`` publishes each plan to follower ranks."""
         self.target = target
         self.drafter = drafter
         self.config = config or EngineConfig()
         self.tokenizer = target.tokenizer
         self._stats = EngineStats()
-        self.scheduler: Scheduler = build_scheduler(target, drafter, self.config, self._stats)
+        self.scheduler: Scheduler = scheduler_factory(target, drafter, self.config, self._stats)
         self._inbox: queue.SimpleQueue[list[Request] | None] = queue.SimpleQueue()  # batches of arrivals
-        self._waiting: collections.deque[Request] = collections.deque()
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._live: dict[str, Request] = {}
+        self.lockstep = lockstep
+        self._runner = PlanRunner(self.scheduler, self._book,
+                                  fatal=lockstep.is_fatal if lockstep else (lambda exc: False))
+        self.failure: str | None = None  # why the engine stopped, if it failed
+        self._on_failure: list = []
         self._in_flight_to_queue = 0  # submitted, not yet moved to the waiting list
         self._lock = threading.Lock()
         self._closing = False
@@ -93,7 +99,7 @@ class Engine:
     def prepare(self, prompt, params=None) -> Request:
         """Validate and build a request without queueing it (raises on bad input)."""
         if self._closing:
-            raise EngineClosed("engine is closed")
+            raise EngineClosed(f"engine stopped: {self.failure}" if self.failure else "engine is closed")
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -109,7 +115,7 @@ class Engine:
         params = params.with_seed()
         if params.max_tokens > room:  # a prompt may fill the context up to the limit
             params = attrs.evolve(params, max_tokens=room)
-        if self._in_flight_to_queue + len(self._waiting) >= self.config.max_queue:
+        if self._in_flight_to_queue + len(self._runner.waiting) >= self.config.max_queue:
             raise QueueFull(f"{self.config.max_queue} requests are already waiting")
         return Request.create(ids, params, self.tokenizer)
 
@@ -126,8 +132,9 @@ class Engine:
         return [r.handle for r in requests]
 
     def _enqueue(self, *requests: Request) -> None:
+        if self.failure:
+            raise EngineClosed(f"engine stopped: {self.failure}")
         with self._lock:
-            self._live.update((r.id, r) for r in requests)
             self._in_flight_to_queue += len(requests)
         self._stats.submitted += len(requests)
         self._inbox.put(list(requests))
@@ -158,7 +165,7 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters and gauges; safe from any thread (gauges are the last step's)."""
-        return self._stats.snapshot(self._gauges, queue_depth=len(self._waiting) + self._in_flight_to_queue)
+        return self._stats.snapshot(self._gauges, queue_depth=len(self._runner.waiting) + self._in_flight_to_queue)
 
     def close(self, drain: bool = False, timeout: float | None = 60.0) -> None:
         """Stop admitting; finish (``drain``) or cancel in-flight work; join the thread."""
@@ -173,69 +180,69 @@ class Engine:
         self.close()
 
     # -- engine thread --------------------------------------------------------------------
-    def _intake(self, block: bool) -> None:
+    def _intake(self, block: bool) -> Plan:
+        """Cut the next plan from what callers did since the last one."""
+        arrivals: list[Request] = []
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
                 if item is not None:
-                    self._waiting.extend(item)
+                    arrivals.extend(item)
                     with self._lock:
                         self._in_flight_to_queue -= len(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
+        cancels = []
         while not self._cancels.empty():
-            rid = self._cancels.get_nowait()
-            with self._lock:
-                request = self._live.get(rid)
-            if request is None:
-                continue
-            request.cancel_requested = True
-            if request in self._waiting:
-                self._waiting.remove(request)
-                self._book([request])
+            cancels.append(self._cancels.get_nowait())
+        return Plan(tuple(arrivals), tuple(cancels), closing=self._closing,
+                    abandon=self._closing and not self._drain, more_coming=not self._inbox.empty())
 
     def _run(self) -> None:
         try:
             self._serve()
+        except Exception as exc:  # only errors no round can recover from get here
+            lost = self.lockstep is not None and self.lockstep.is_fatal(exc)
+            self._fail(("a peer rank was lost: " if lost else "") + f"{type(exc).__name__}: {exc}")
         finally:
             self.scheduler.shutdown()
             self._gauges = self.scheduler.gauges()
             mx.clear_streams()  # MLX needs per-thread cleanup before interpreter exit
 
     def _serve(self) -> None:
+        runner = self._runner
         while True:
-            self._intake(block=not self.scheduler.busy and not self._waiting)
-            if self._closing and not self._drain:
-                self._book(list(self._waiting))
-                self._waiting.clear()
-                for request in self.scheduler.requests():
-                    request.cancel_requested = True
-            if self._closing and not self.scheduler.busy and not self._waiting:
+            plan = self._intake(block=runner.idle)
+            if self.lockstep is not None:  # followers replay this plan before we run it
+                self.lockstep.publish(plan, fingerprint(self.scheduler, runner.waiting))
+            if not runner.apply(plan):
                 break
-            if not self.scheduler.busy and not self._waiting:
-                continue
-            self._step()
+            self._gauges = self.scheduler.gauges()
 
-    def _step(self) -> None:
-        more_coming = not self._inbox.empty()
-        try:
-            finished = self.scheduler.step(self._waiting, more_coming=more_coming)
-        except Exception as exc:  # a failed round fails its own requests, not the engine
-            log.exception("round_failed", error=str(exc))
-            finished = self.scheduler.recover()
-            for request in finished:
-                request.abort("error", f"internal error: {exc}")
-        self._gauges = self.scheduler.gauges()
-        self._book(finished)
+    def _fail(self, error: str) -> None:
+        """The engine cannot go on (a lost peer): every request gets an error event."""
+        self.failure, self._closing = error, True
+        log.error("engine_failed", error=error)
+        failed = self._runner.fail_all(error)
+        try:  # arrivals the failed step never saw
+            while True:
+                failed += self._inbox.get_nowait() or []
+        except queue.Empty:
+            pass
+        for request in failed:
+            request.abort("error", error)
+        self._book(failed)
+        for callback in list(self._on_failure):
+            callback(error)
+
+    def on_failure(self, callback) -> None:
+        """Call ``callback(error)`` if the engine stops on an unrecoverable error."""
+        self._on_failure.append(callback)
 
     def _book(self, finished: list[Request]) -> None:
-        """Close out requests that left the engine: final event, counters, forget them."""
+        """Close out requests that left the engine: counters and a log line."""
         for request in finished:
-            if not request.finished:
-                request.abort("cancelled")
             self._stats.record_finish(request)
             log.info("finish", request=request.id, reason=request.finish_reason, tokens=request.emitted,
                      drafted=request.spec.drafted, accepted=request.spec.accepted, retire=request.retire)
-            with self._lock:
-                self._live.pop(request.id, None)

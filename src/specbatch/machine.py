@@ -64,8 +64,9 @@ def make_drafter(source, runner, batch: bool):
 class SpecMachine:
     """The engine's scheduler: one state, one loop object at a time."""
 
-    def __init__(self, target, drafter, config, stats):
+    def __init__(self, target, drafter, config, stats, drafter_factory=make_drafter):
         self.runner = ModelRunner(target.model)
+        self.drafter_factory = drafter_factory  # (source, runner, batch) -> Drafter
         self.drafter_source = drafter if config.speculation else None  # a draft model or an MTP head
         self.config, self.stats = config, stats
         self.scalar: ScalarLoop | None = None
@@ -233,7 +234,7 @@ class SpecMachine:
         return loop
 
     def _drafter(self, batch: bool):
-        return make_drafter(self.drafter_source, self.runner, batch)
+        return self.drafter_factory(self.drafter_source, self.runner, batch)
 
     def _fire(self, trigger: str) -> bool:
         """Fire ``trigger`` if its guard holds; True when the state changed."""

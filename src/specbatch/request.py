@@ -86,7 +86,10 @@ class RequestHandle:
     def _push(self, event: TokenEvent) -> None:
         self._events.put(event)
         for loop, aqueue in self._listeners:
-            loop.call_soon_threadsafe(aqueue.put_nowait, event)
+            try:
+                loop.call_soon_threadsafe(aqueue.put_nowait, event)
+            except RuntimeError:  # the listener's event loop has closed: nobody is reading
+                pass
 
     def _complete(self, completion: Completion) -> None:
         self._completion = completion
