@@ -3,7 +3,7 @@
 The machines are shared and noisy, so every suite interleaves the systems it compares
 (round-robin within each repeat) and reports medians and their ratios, never one-off
 timings. Suites: plain, scalar, widths (here), transitions, memory (``bench_serving``), serving
-(``bench_http``).
+(``bench_http``), sharded (``bench_sharded``).
 """
 
 from __future__ import annotations
@@ -200,10 +200,10 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 
 def run_bench(args) -> int:
-    from . import bench_http, bench_serving
+    from . import bench_http, bench_serving, bench_sharded
     from .config import load_pair
     suites = {"plain": suite_plain, "scalar": suite_scalar, "widths": suite_widths, **bench_serving.SUITES,
-              **bench_http.SUITES, "drafters": bench_serving.suite_drafters}
+              **bench_http.SUITES, "drafters": bench_serving.suite_drafters, **bench_sharded.SUITES}
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype,
                                         speculative_width_cap=args.speculative_width_cap,
                                         num_draft_tokens=args.num_draft_tokens, drafter=args.drafter)
