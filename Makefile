@@ -48,6 +48,8 @@ clean:
 DEMO := src/specbatch/demo_models
 demo-pair: $(STAMP)
 	$(RUN) scripts/train_demo_pair.py --work build/train --out $(DEMO)
-	$(RUN) scripts/train_mtp_head.py --target $(DEMO)/target --out $(DEMO)/mtp --minutes 4
+	$(RUN) scripts/self_distill.py --pair $(DEMO) --tokens build/train/tokens.npz --work build/self-distill
+	$(RUN) scripts/train_mtp_head.py --target $(DEMO)/target --out $(DEMO)/mtp --minutes 5 \
+		--tokens build/train/tokens.npz --generations build/self-distill/generations.npz
 	$(RUN) scripts/measure_pair.py --out $(DEMO)/speed.json
 	SPECBATCH_CALIBRATION=$(DEMO)/calibration.json .venv/bin/specbatch calibrate

@@ -68,9 +68,9 @@ def finetune(target, drafter, corpus, gens, args) -> int:
     while time.time() - t0 < args.minutes * 60:
         frac = (time.time() - t0) / (args.minutes * 60)
         opt.learning_rate = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * frac)))
-        half = args.batch // 2  # the target's own text and corpus text, half and half
-        g = gen_batch(gens, step, args.seed, half)
-        c = batch_at(corpus, step, args.seed + 3, half, g.shape[1] - 1)
+        n_gen = args.batch * 3 // 4  # mostly the target's own text; corpus text keeps it general
+        g = gen_batch(gens, step, args.seed, n_gen)
+        c = batch_at(corpus, step, args.seed + 3, args.batch - n_gen, g.shape[1] - 1)
         loss, grads = grad(drafter, mx.concatenate([g, c], axis=0))
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(drafter, grads)
@@ -88,12 +88,12 @@ def main() -> None:
     ap.add_argument("--pair", type=Path, default=Path("src/specbatch/demo_models"))
     ap.add_argument("--tokens", type=Path, default=Path("build/train/tokens.npz"))
     ap.add_argument("--work", type=Path, default=Path("build/self-distill"))
-    ap.add_argument("--sequences", type=int, default=384)
+    ap.add_argument("--sequences", type=int, default=768)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--minutes", type=float, default=15)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     target, drafter = load(args.pair / "target"), load(args.pair / "drafter")

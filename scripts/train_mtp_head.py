@@ -24,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
+from self_distill import gen_batch  # noqa: E402
 from train_demo_pair import batch_at, corpus_files, encode  # noqa: E402
 
 from specbatch.drafters.mtp import MTPHead, head_config, save_head  # noqa: E402
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--generations", type=Path, default=None,
+                    help="the target's own continuations (scripts/self_distill.py): half of each batch")
     args = ap.parse_args()
 
     target = load(args.target)
@@ -85,6 +88,7 @@ def main() -> None:
         tok = Tokenizer.from_file(str(args.target / "tokenizer.json"))
         train_files, held_files = corpus_files()
         train, held = encode(tok, train_files), encode(tok, held_files)
+    gens = np.load(args.generations)["train"] if args.generations else None
     mx.random.seed(args.seed)
     head = MTPHead(head_config(model.args))
     mx.eval(head.parameters())
@@ -95,6 +99,9 @@ def main() -> None:
         frac = (time.time() - t0) / (args.minutes * 60)
         opt.learning_rate = args.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * (1 - frac))
         batch = batch_at(train, step, args.seed + 7, args.batch, args.seq)
+        if gens is not None:  # what the head will draft on: the target's text
+            batch = mx.concatenate([batch[: args.batch // 2, : gens.shape[1]],
+                                    gen_batch(gens, step, args.seed, args.batch - args.batch // 2)], axis=0)
         loss, grads = loss_grad(head, batch, *target_pass(runner, model, batch))
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(head, grads)

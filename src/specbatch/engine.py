@@ -24,7 +24,7 @@ from .errors import EngineClosed, InvalidRequest, QueueFull
 from .models import LoadedModel
 from .request import Request, RequestHandle
 from .sampling import SamplingParams
-from .plan import Plan, PlanRunner, fingerprint
+from .plan import Lockstep, Plan, PlanRunner, fingerprint
 from .scheduler import Scheduler, build_scheduler
 from .stats import EngineStats
 
@@ -45,7 +45,7 @@ class Engine:
 
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None,
                  config: EngineConfig | None = None, *, scheduler_factory=build_scheduler,
-                 lockstep=None):
+                 lockstep: Lockstep | None = None):
         """``scheduler_factory(target, drafter, config, stats)`` builds the scheduler (the
         state machine by default); ``lockstep`` publishes each plan to follower ranks."""
         self.target = target
@@ -206,6 +206,8 @@ class Engine:
             lost = self.lockstep is not None and self.lockstep.is_fatal(exc)
             self._fail(("a peer rank was lost: " if lost else "") + f"{type(exc).__name__}: {exc}")
         finally:
+            if self.lockstep is not None:
+                self.lockstep.close()
             self.scheduler.shutdown()
             self._gauges = self.scheduler.gauges()
             mx.clear_streams()  # MLX needs per-thread cleanup before interpreter exit

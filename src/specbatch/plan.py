@@ -10,7 +10,7 @@ replay the driver's plans and stay in the same state (see ``specbatch.dist``).
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from typing import Callable, Protocol
 
 import attrs
 import structlog
@@ -28,6 +28,22 @@ class Plan:
     closing: bool = False  # stop once idle
     abandon: bool = False  # closing without drain: cancel everything now
     more_coming: bool = False  # callers queued more after this plan was cut
+
+
+class Lockstep(Protocol):
+    """Mirrors the engine's plans elsewhere (follower ranks of a sharded target)."""
+
+    def publish(self, plan: Plan, fingerprint: str) -> None:
+        """Called on the engine thread before ``plan`` is applied here."""
+        ...
+
+    def is_fatal(self, exc: BaseException) -> bool:
+        """True for errors that end the engine (a lost peer), not just the round."""
+        ...
+
+    def close(self) -> None:
+        """The engine thread has ended."""
+        ...
 
 
 def fingerprint(scheduler: Scheduler, waiting) -> str:

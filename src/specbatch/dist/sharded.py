@@ -55,6 +55,10 @@ class DriverLink:
     def is_fatal(exc: BaseException) -> bool:
         return is_peer_failure(exc)
 
+    def close(self) -> None:
+        """The engine thread ended: silence is expected from now on."""
+        self.peers.stop()
+
 
 def sharded_engine(model: str | None = None, draft_model: str | None = None, *,
                    peers: Peers | None = None, backend: str = "ring", timeout_s: float = 60.0,
@@ -84,7 +88,6 @@ def sharded_engine(model: str | None = None, draft_model: str | None = None, *,
 
     engine = Engine(target, drafter, config, scheduler_factory=machine, lockstep=DriverLink(peers))
     peers.watch(on_hang=engine._fail)
-    engine.on_failure(lambda error: peers.stop())
     log.info("sharded_engine", rank=peers.rank, ranks=peers.size, model=target.name)
     return engine
 
