@@ -25,13 +25,20 @@ def config(verify: str) -> dict:
 
 def schedule(engine, temperature: float) -> list[list[int]]:
     """A lone request (Scalar); after its first token three arrive (preempt, then gate over
-    the cap of 2); the short ones finish and the long one re-arms."""
+    the cap of 2); a fifth is cancelled after two tokens; the short ones finish and the
+    long one re-arms. The cancelled stream comes last."""
     def params(n, seed):
         return SamplingParams(max_tokens=n, temperature=temperature, seed=seed, ignore_eos=True)
     lone = engine.submit(PROMPTS[0], params(48, 7))
     next(iter(lone))  # the first token is out: the scalar loop is live
     rest = engine.submit_many(PROMPTS[1:], params(6, 11))
-    return [h.result(timeout=300).token_ids for h in [lone, *rest]]
+    dropped = engine.submit("while True:", params(40, 5))
+    events = iter(dropped)
+    next(events), next(events)
+    engine.cancel(dropped)  # every rank must drop it at the same step
+    cut = dropped.result(timeout=300)
+    assert cut.finish_reason == "cancelled", cut.finish_reason
+    return [h.result(timeout=300).token_ids for h in [lone, *rest]] + [cut.token_ids]
 
 
 def run_schedules(engine) -> dict:

@@ -54,6 +54,9 @@ def test_two_ranks_match_one_process(tmp_path, model_dir, tiny, tiny_draft, veri
     got = launch(tmp_path, model_dir, verify)
     want = single_process(tiny, tiny_draft, verify)
     streams = got["driver"]["streams"]
+    for key in ("t0", "t08"):  # cancelled at a moment set by timing: one is a prefix of the other
+        a, b = streams[key].pop(), want[key].pop()
+        assert len(a) >= 2 and len(b) >= 2 and a[:len(b)] == b[:len(a)], (a, b)
     assert streams["t0"] == want["t0"]
     if verify == "rejection":  # its output depends on the drafts, and the preempted request
         # drafted by sampling until the preempt, greedily after: when that happened is timing
