@@ -39,12 +39,16 @@ def run_scalar(target, drafter, prompt, k=4, verify="coupled", **params):
     return request.tokens, rounds
 
 
-def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, params=None):
+def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, params=None, together=False):
+    """Decode ``prompts`` in one batch loop; ``together``: one left-padded prefill."""
     runner = ModelRunner(target.model)
     loop = BatchLoop(runner, make_drafter(drafter, runner, True) if drafter else None, k, verify)
     requests = [make_request(target, p, **(params[i] if params else {})) for i, p in enumerate(prompts)]
-    for r in requests:
-        loop.admit(r)
+    if together:
+        loop.admit_many(requests)
+    else:
+        for r in requests:
+            loop.admit(r)
     rounds = []
     if armed and loop.width:
         loop.capture_round()

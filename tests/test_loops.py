@@ -21,9 +21,10 @@ def test_greedy_scalar_and_batch_equal_plain(tiny, tiny_draft, k):
     for p, b, ref in zip(PROMPTS[:3], budgets, plain):
         assert run_scalar(tiny, tiny_draft, p, k=k, max_tokens=b, ignore_eos=True)[0] == ref
     for width in (1, 3, 8):
-        out, _ = run_batch(tiny, tiny_draft, PROMPTS[:width], k=k,
-                           params=[dict(max_tokens=b, ignore_eos=True) for b in budgets[:width]])
-        assert out == plain[:width], width
+        for together in (False, True):  # admitted one by one, or in one left-padded prefill
+            out, _ = run_batch(tiny, tiny_draft, PROMPTS[:width], k=k, together=together,
+                               params=[dict(max_tokens=b, ignore_eos=True) for b in budgets[:width]])
+            assert out == plain[:width], (width, together)
 
 
 @pytest.mark.parametrize("temperature, top_p", [(0.8, 1.0), (1.0, 0.9)])
@@ -33,6 +34,7 @@ def test_seeded_sampling_equals_plain(tiny, tiny_draft, temperature, top_p):
     for drafter in (tiny, tiny_draft):  # a good drafter and a random one
         assert [run_scalar(tiny, drafter, p, **kw)[0] for p, kw in zip(PROMPTS[:3], params)] == plain[:3]
         assert run_batch(tiny, drafter, PROMPTS[:6], params=params)[0] == plain
+        assert run_batch(tiny, drafter, PROMPTS[:6], params=params, together=True)[0] == plain
 
 
 def test_self_draft_oracle_accepts_everything(tiny):
@@ -120,3 +122,27 @@ def test_capture_round_emits_one_token_per_row_at_plain_cost(tiny):
     assert emitted == 3 and [r.emitted for r in requests] == [b + 1 for b in before]
     assert shapes == [(3, 1)]  # one plain one-position forward of the batch: plain-decode cost
     assert loop.armed and loop.drafter.width == 3
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "self"])
+def test_a_burst_joins_an_armed_batch_in_one_prefill(tiny, tiny_draft, drafter_kind):
+    """Rows prefilled together (left-padded, ragged starts) join an armed loop and its
+    drafter; every stream still equals plain decoding."""
+    from helpers import make_request
+    from specbatch.machine import make_drafter
+    drafter = tiny_draft if drafter_kind == "model" else tiny
+    params = dict(max_tokens=12, ignore_eos=True)
+    plain = [run_plain(tiny, p, **params) for p in PROMPTS[:6]]
+    runner = ModelRunner(tiny.model)
+    loop = BatchLoop(runner, make_drafter(drafter, runner, True), 3)
+    first = [make_request(tiny, p, **params) for p in PROMPTS[:2]]
+    loop.admit_many(first)
+    loop.capture_round()
+    loop.spec_round()
+    later = [make_request(tiny, p, **params) for p in PROMPTS[2:6]]
+    loop.admit_many(later)
+    assert loop.drafter.width == loop.width == 6
+    while loop.width:
+        loop.spec_round()
+        loop.reap()
+    assert [r.tokens for r in first + later] == plain

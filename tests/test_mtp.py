@@ -32,6 +32,7 @@ def test_mtp_streams_equal_plain(tiny, head, k):
     plain = [run_plain(tiny, p, **kw) for p, kw in zip(PROMPTS, params)]
     assert [run_scalar(tiny, head, p, k=k, **kw)[0] for p, kw in zip(PROMPTS, params)] == plain
     assert run_batch(tiny, head, PROMPTS, k=k, params=params)[0] == plain
+    assert run_batch(tiny, head, PROMPTS, k=k, params=params, together=True)[0] == plain  # left-padded rows
 
 
 def test_mtp_close_anywhere_and_rebuild(tiny, head):

@@ -35,6 +35,15 @@ class RaggedKVCache:
         self._ends: list[int] = list(self._starts)
         self._offset: mx.array | None = None  # cached: RoPE reads it twice per layer call
 
+    @classmethod
+    def left_padded(cls, pads: list[int]) -> "RaggedKVCache":
+        """An empty cache for a left-padded prefill of ``[B, L]``: row b's first ``pads[b]``
+        columns are padding. Its offset starts at ``-pads[b]``, so row b's first real token
+        gets RoPE position 0; after the prefill the row holds ``[pads[b], L)``."""
+        cache = cls(pads)
+        cache.ends = [0] * len(pads)
+        return cache
+
     @property
     def starts(self) -> list[int]:
         return self._starts
@@ -110,7 +119,9 @@ class RaggedKVCache:
         cols = mx.arange(T)[None, None, :]  # [1, 1, T]
         last = mx.array(self.ends)[:, None, None] + mx.arange(N)[None, :, None]  # [B, N, 1]
         first = mx.array(self.starts)[:, None, None]
-        return ((cols >= first) & (cols <= last))[:, None]
+        # A padding query (left-padded prefill) sees only itself: never an all-masked row,
+        # whose softmax would be NaN and poison the next layer's padding KV.
+        return (((cols >= first) & (cols <= last)) | (cols == last))[:, None]
 
     @property
     def state(self):

@@ -62,6 +62,22 @@ class ModelRunner:
         return [KVCache() for _ in range(self.n_layers)]
 
 
+def prefill_batch(runner: TargetRunner, prompts: list[list[int]]):
+    """Prefill several prompts in one left-padded forward ``[B, L]``.
+
+    Returns (logits ``[B, V]`` of each prompt's last token, a ``BatchKV`` whose row b holds
+    prompt b after ``L - len(prompt b)`` padding columns)."""
+    from .kv import BatchKV, RaggedKVCache
+
+    L = max(len(p) for p in prompts)
+    pads = [L - len(p) for p in prompts]
+    tokens = mx.array([[0] * pad + p for p, pad in zip(prompts, pads)], dtype=mx.int32)  # [B, L]
+    kv = BatchKV([RaggedKVCache.left_padded(pads) for _ in range(runner.n_layers)])
+    logits = runner.forward(tokens, kv.layers)[:, -1, :]  # [B, V]
+    mx.eval(logits, kv.arrays())
+    return logits, kv
+
+
 def prefill(runner: TargetRunner, tokens: list[int], cache: list) -> mx.array:
     """Run ``tokens`` through the model in chunks; logits ``[1, V]`` of the last one."""
     logits = None

@@ -26,7 +26,7 @@ import structlog
 from ..kv import BatchKV
 from ..drafters.base import Capture
 from ..request import Request
-from ..runner import TargetRunner, prefill
+from ..runner import TargetRunner, prefill, prefill_batch
 from ..sampling import RowSampling, positions_from, sample
 from .verify import RoundResult, bonus_hidden, last_hidden, spec_round
 
@@ -77,6 +77,27 @@ class BatchLoop:
             return
         self.add_row(Row(request, first, request.prompt[-1]), BatchKV.from_singles(single),
                      last_hidden(self.target))
+
+    def admit_many(self, requests: list[Request]) -> None:
+        """Prefill several requests in one left-padded forward; emit each first token and
+        add the rows that go on (a burst costs one prefill, not one per request)."""
+        assert self.settled, "admit only between settled rounds"
+        logits, kv = prefill_batch(self.target, [r.prompt for r in requests])  # [B, V]
+        hidden = last_hidden(self.target)  # [B, D] or None
+        rows = RowSampling.of([r.params for r in requests])
+        firsts = sample(logits[:, None, :], rows, positions_from([0] * len(requests), 1))[:, 0].tolist()
+        keep = [i for i, (r, t) in enumerate(zip(requests, firsts)) if not r.emit(t)]
+        if not keep:
+            return
+        if len(keep) < len(requests):
+            kv.filter(keep)
+            hidden = None if hidden is None else hidden[mx.array(keep)]
+        new = [Row(requests[i], firsts[i], requests[i].prompt[-1]) for i in keep]
+        self.kv.extend(kv)
+        self.rows += new
+        self._sampling = None
+        if self.armed:
+            self.drafter.add_rows([_history(r) for r in new], hidden=hidden)
 
     def add_row(self, row: Row, kv: BatchKV, hidden=None) -> None:
         """Append a row whose target KV holds everything before ``row.pending``."""
