@@ -32,7 +32,7 @@ def schedule(engine, temperature: float) -> list[list[int]]:
     lone = engine.submit(PROMPTS[0], params(48, 7))
     next(iter(lone))  # the first token is out: the scalar loop is live
     rest = engine.submit_many(PROMPTS[1:], params(6, 11))
-    dropped = engine.submit("while True:", params(40, 5))
+    dropped = engine.submit("x = 1\n" * 300, params(40, 5))  # its plan outgrows one message
     events = iter(dropped)
     next(events), next(events)
     engine.cancel(dropped)  # every rank must drop it at the same step
