@@ -11,8 +11,9 @@ from .blas import ensure_openblas
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target: mlx-lm folder or HF id (default: embedded demo pair)")
     p.add_argument("--draft-model", default=None, help="drafter with the target's vocabulary (or an MTP head folder)")
-    p.add_argument("--drafter", default="model", choices=["model", "mtp"],
-                   help="a separate draft model, or the target's multi-token-prediction head")
+    p.add_argument("--drafter", default="model", choices=["model", "mtp", "ngram"],
+                   help="a separate draft model, the target's multi-token-prediction head, or "
+                        "prompt lookup in the request's own tokens")
     p.add_argument("--no-speculation", action="store_true", help="decode plain")
     p.add_argument("--speculative-width-cap", type=int, default=None,
                    help="widest batch that still speculates (0 = uncapped)")

@@ -78,9 +78,10 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
 
     ``drafter="model"``: ``draft_model`` is a separate mlx-lm model. ``drafter="mtp"``: an
     MTP head, from ``draft_model`` (our head folder, or a checkpoint that ships MTP
-    layers), else the target folder's ``mtp/`` or the target checkpoint itself."""
-    if drafter not in ("model", "mtp"):
-        raise ValueError(f"drafter must be 'model' or 'mtp', got {drafter!r}")
+    layers), else the target folder's ``mtp/`` or the target checkpoint itself.
+    ``drafter="ngram"``: prompt lookup in each request's own tokens (no weights)."""
+    if drafter not in ("model", "mtp", "ngram"):
+        raise ValueError(f"drafter must be 'model', 'mtp' or 'ngram', got {drafter!r}")
     from . import models
 
     if model is None:
@@ -92,6 +93,9 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
     kind, drafter = drafter, None
     if kind == "mtp" and speculation:
         drafter = models.load_mtp_head(draft_model, target)
+    elif kind == "ngram" and speculation:
+        from .drafters.ngram import NGramSource
+        drafter = NGramSource(target.vocab_size)
     elif draft_model is not None and speculation:
         drafter = models.load(draft_model, dtype=dtype)
         models.check_pair(target, drafter)

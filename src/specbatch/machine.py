@@ -18,6 +18,7 @@ from transitions import Machine
 
 from .drafters.model import ModelDrafter
 from .drafters.mtp import MTPDrafter, MTPHead
+from .drafters.ngram import NGramDrafter, NGramSource
 from .loops.batch import BatchLoop, held_tokens, retires
 from .loops.scalar import ScalarLoop
 from .prompt_cache import PromptCache
@@ -55,9 +56,11 @@ def build_machine(model, cls=Machine, **kw) -> Machine:
 
 
 def make_drafter(source, runner, batch: bool):
-    """A Drafter from its source: an MTP head on ``runner``, or a loaded draft model."""
+    """A Drafter from its source: an MTP head on ``runner``, prompt lookup, or a draft model."""
     if isinstance(source, MTPHead):
         return MTPDrafter(source, runner)
+    if isinstance(source, NGramSource):
+        return NGramDrafter(source)
     return ModelDrafter(source.model, batch=batch)
 
 

@@ -1,0 +1,86 @@
+"""Prompt-lookup drafting: propose what followed the last occurrence of the current suffix.
+
+No weights and no forward: for each row, find the most recent earlier place where the
+row's last ``n`` tokens (``n`` from ``max_n`` down to ``min_n``) occurred in its own
+sequence, and propose the ``k`` tokens that followed there. Code, quotes of the prompt and
+a weak model's greedy loops repeat a lot, so proposals are often right and cost nothing;
+where nothing matches, the row proposes its pending token again and one verify forward
+finds out. Drafts are deterministic, so their "logits" are one-hot: rejection sampling
+then accepts a draft ``d`` with probability ``p(d)``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from .base import Capture, Chooser
+
+
+@attrs.frozen
+class NGramSource:
+    """What ``--drafter ngram`` loads: the lookup's settings (there are no weights)."""
+
+    vocab_size: int
+    max_n: int = 4
+    min_n: int = 1
+    name: str = "ngram"
+
+
+def propose(seq: np.ndarray, k: int, max_n: int, min_n: int) -> list[int]:
+    """The ``k`` tokens after the latest earlier match of ``seq``'s longest matching suffix."""
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        suffix = seq[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # [len-n, n]
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # the token after the match
+            got = seq[start:start + k].tolist()
+            return got + [int(seq[-1])] * (k - len(got))
+    return [int(seq[-1])] * k
+
+
+class NGramDrafter:
+    """A Drafter over each row's own tokens; its state is the tokens it was fed."""
+
+    def __init__(self, source: NGramSource):
+        self.source = source
+        self._fed: list[list[int]] = []  # per row: the sequence minus its last two tokens
+
+    @property
+    def width(self) -> int:
+        return len(self._fed)
+
+    def draft(self, prev: mx.array, pending: mx.array, k: int, choose: Chooser, context=None):
+        rows = []
+        for fed, p, y in zip(self._fed, prev.tolist(), pending.tolist()):
+            fed += [p, y]
+            rows.append(propose(np.asarray(fed), k, self.source.max_n, self.source.min_n))
+            fed += rows[-1][:-1]  # the invariant: feeds [prev, pending, d_1 .. d_{k-1}]
+        tokens = mx.array(rows, dtype=mx.int32)  # [B, k]
+        logits = mx.where(mx.arange(self.source.vocab_size) == tokens[..., None], 0.0, -1e9)  # [B, k, V]
+        return tokens, logits
+
+    def rollback(self, counts: list[int], hidden=None) -> None:
+        for fed, c in zip(self._fed, counts):
+            del fed[len(fed) - c:]
+
+    def add_rows(self, histories: list[list[int]], hidden=None) -> None:
+        self._fed += [list(h[:-2]) for h in histories]
+
+    def filter(self, keep: list[int]) -> None:
+        self._fed = [self._fed[i] for i in keep]
+
+    def reset(self) -> None:
+        self._fed = []
+
+    def cold_start(self, capture: Capture) -> None:
+        self.reset()
+        self.add_rows(capture.histories)
+
+    def to_batch(self) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return 0

@@ -1,0 +1,62 @@
+"""Prompt-lookup drafting: proposals, and streams equal to plain decoding in both loops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import run_batch, run_plain, run_scalar
+from hypothesis import given, strategies as st
+
+from specbatch import Engine, SamplingParams
+from specbatch.config import EngineConfig
+from specbatch.drafters.base import Capture
+from specbatch.drafters.ngram import NGramDrafter, NGramSource, propose
+
+PROMPTS = ["def f(x):\n    return x\ndef f(x):\n", "import os\nimport os\nimport", "x = 1", "a b a b a b"]
+
+
+def test_propose_continues_the_latest_match():
+    seq = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 1, 2])
+    assert propose(seq, 3, 4, 1) == [3, 7, 1]  # "1 2" last seen before "3 7"
+    assert propose(np.array([4, 5, 6]), 2, 4, 1) == [6, 6]  # no earlier match: repeat the last
+    assert propose(np.array([8, 8]), 3, 4, 1) == [8, 8, 8]
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 6))
+def test_proposals_are_k_tokens_seen_in_the_row(seq, k):
+    got = propose(np.array(seq), k, 4, 1)
+    assert len(got) == k and set(got) <= set(seq)
+
+
+def test_rollback_restores_what_was_fed():
+    d = NGramDrafter(NGramSource(16))
+    d.cold_start(Capture([[1, 2, 3, 1, 2], [4, 5, 6, 7]]))
+    import mlx.core as mx
+    before = [list(f) for f in d._fed]
+    tokens, logits = d.draft(mx.array([1, 6]), mx.array([2, 7]), 3, choose=None)
+    assert tokens.shape == (2, 3) and logits.shape == (2, 3, 16)
+    d.rollback([3, 3])  # nothing accepted: the old pending becomes the next prev
+    assert d._fed == [before[0] + [1], before[1] + [6]]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_ngram_streams_equal_plain(tiny, k):
+    source = NGramSource(tiny.vocab_size)
+    params = [dict(max_tokens=20, temperature=0.0 if i % 2 == 0 else 0.8, seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    plain = [run_plain(tiny, p, **kw) for p, kw in zip(PROMPTS, params)]
+    assert [run_scalar(tiny, source, p, k=k, **kw)[0] for p, kw in zip(PROMPTS, params)] == plain
+    assert run_batch(tiny, source, PROMPTS, k=k, params=params)[0] == plain
+    greedy = [kw for kw in params if kw["temperature"] == 0.0]
+    prompts = [p for p, kw in zip(PROMPTS, params) if kw["temperature"] == 0.0]
+    out, _ = run_batch(tiny, source, prompts, k=k, params=greedy, verify="rejection")
+    assert out == [ref for ref, kw in zip(plain, params) if kw["temperature"] == 0.0]
+
+
+def test_engine_with_ngram_drafter(tiny):
+    config = EngineConfig(num_draft_tokens=3, speculative_width_cap=4)
+    with Engine(tiny, NGramSource(tiny.vocab_size), config) as engine:
+        handles = [engine.submit(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS]
+        out = [h.result(timeout=120).token_ids for h in handles]
+        assert engine.stats()["drafted_tokens"] > 0
+    assert out == [run_plain(tiny, p, max_tokens=24, ignore_eos=True, seed=0) for p in PROMPTS]
