@@ -162,7 +162,7 @@ def rearm_cost(target, drafter, width: int, history: int) -> float:
 
 
 def suite_drafters(ctx) -> dict:
-    """The separate draft model next to the MTP head on the same target."""
+    """The separate draft model next to the MTP head and prompt lookup, on the same target."""
     import attrs
 
     from .bench import _acceptance, code_prompts, engine_tok_s
@@ -174,6 +174,8 @@ def suite_drafters(ctx) -> dict:
         drafters["mtp"] = load_mtp_head(pair["mtp"] if pair else None, ctx.target)
     except ModelNotFound as exc:
         print(f"drafters: no MTP head, comparing the draft model alone ({exc})")
+    from .drafters.ngram import NGramSource
+    drafters["ngram"] = NGramSource(ctx.target.vocab_size)
     prompts = code_prompts(ctx.target.tokenizer, 4)
     rows = []
     for name, drafter in drafters.items():
