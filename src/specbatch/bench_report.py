@@ -68,7 +68,7 @@ def markdown(results: dict, images: list[Path], doc: Path) -> str:
              "medians reported: this machine is shared and noisy, so read ratios, not absolute numbers.", ""]
     for name, suite in results["suites"].items():
         parts += [f"## {name}", "", _table(suite["rows"]), ""]
-        for extra in ("summary", "throughput_ratios", "soak"):
+        for extra in ("summary", "throughput_ratios", "soak", "soak_again", "note"):
             if extra in suite:
                 parts += [f"{extra}: `{json.dumps(suite[extra])}`", ""]
     parts += [f"![{p.stem}]({Path('..') / p})" for p in images]

@@ -105,7 +105,10 @@ def suite_memory(ctx) -> dict:
         rows.append({"width": width, "kv_bytes_per_row": p["kv"] / width, "kv_needed_per_row": p["kv_used"] / width,
                      "alloc_over_needed": p["kv"] / max(1, p["kv_used"]),
                      "spec_extra_bytes": s["kv"] + s["drafter"] - p["kv"], "peak_rss_mb": max(p["rss"], s["rss"]) / 2**20})
-    return {"rows": rows, "soak": soak(ctx.engine(), ctx.target.tokenizer)}
+    engine = ctx.engine()
+    first = soak(engine, ctx.target.tokenizer)
+    second = soak(engine, ctx.target.tokenizer, seed=1)  # steady state: a leak grows again, fragmentation does not
+    return {"rows": rows, "soak": first, "soak_again": second}
 
 
 def soak(engine, tokenizer, n: int = 1000, seed: int = 0) -> dict:
