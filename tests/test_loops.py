@@ -146,3 +146,27 @@ def test_a_burst_joins_an_armed_batch_in_one_prefill(tiny, tiny_draft, drafter_k
         loop.spec_round()
         loop.reap()
     assert [r.tokens for r in first + later] == plain
+
+
+def test_adaptive_draft_length_follows_acceptance(tiny, tiny_draft):
+    """A perfect drafter keeps rounds at k; a random one shrinks them to one draft; the
+    streams stay plain decoding's either way."""
+    from specbatch.loops.verify import RoundResult, next_k
+    assert next_k(2, 6, RoundResult([], [2, 2], 2)) == 4  # all accepted: +2
+    assert next_k(5, 6, RoundResult([], [5], 5)) == 6  # ...up to the most
+    assert next_k(4, 6, RoundResult([], [1, 0], 4)) == 3  # under half: -1
+    assert next_k(1, 6, RoundResult([], [0], 1)) == 1  # never below one
+    assert next_k(4, 6, RoundResult([], [3, 2], 4)) == 4  # in between: keep
+    from helpers import make_request
+    from specbatch.machine import make_drafter
+    for drafter, oracle in ((tiny, True), (tiny_draft, False)):
+        request = make_request(tiny, "def f(x):", max_tokens=40, ignore_eos=True)
+        runner = ModelRunner(tiny.model)
+        loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request, 6, adaptive=True)
+        loop.start()
+        seen = []
+        while not loop.finished:
+            loop.step()
+            seen.append(loop.k_now)
+        assert (set(seen) == {6}) if oracle else (min(seen) == 1 and seen.count(1) > len(seen) // 2), seen
+        assert request.tokens == run_plain(tiny, "def f(x):", max_tokens=40, ignore_eos=True)

@@ -58,6 +58,7 @@ class EngineConfig:
     kv_budget_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # 0: unbounded
     prompt_cache_bytes: int = attrs.field(default=256 << 20, validator=attrs.validators.ge(0))
     verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))
+    adaptive_k: bool = True  # draft length per round follows acceptance (num_draft_tokens is the most)
 
     def speculates_at(self, width: int) -> bool:
         """The cap is inclusive: width == cap still speculates; 0 means uncapped."""

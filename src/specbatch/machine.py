@@ -119,7 +119,7 @@ class SpecMachine:
     def begin_scalar(self) -> None:
         request = self.waiting.popleft()
         self.scalar = ScalarLoop(self.runner, self._drafter(batch=False), request,
-                                 self.config.num_draft_tokens, self.config.verify)
+                                 self.config.num_draft_tokens, self.config.verify, self.config.adaptive_k)
         cache, reused = self.prompt_cache.lookup(request.prompt)
         self.scalar.start(cache)
         log.info("admit", reused=reused, request=request.id, loop="scalar", prompt_tokens=len(request.prompt))
@@ -232,7 +232,8 @@ class SpecMachine:
 
     def _new_batch(self) -> BatchLoop:
         drafter = self._drafter(batch=True) if self.speculative else None
-        loop = BatchLoop(self.runner, drafter, self.config.num_draft_tokens, self.config.verify)
+        loop = BatchLoop(self.runner, drafter, self.config.num_draft_tokens, self.config.verify,
+                         self.config.adaptive_k)
         loop.retire = self.prompt_cache.retire
         return loop
 

@@ -28,7 +28,7 @@ from ..drafters.base import Capture
 from ..request import Request
 from ..runner import TargetRunner, prefill, prefill_batch
 from ..sampling import RowSampling, positions_from, sample
-from .verify import RoundResult, bonus_hidden, last_hidden, spec_round
+from .verify import RoundResult, bonus_hidden, last_hidden, next_k, spec_round
 
 log = structlog.get_logger(__name__)
 
@@ -43,8 +43,10 @@ class Row:
 class BatchLoop:
     """Decode rounds over many rows; rows join and leave only between rounds."""
 
-    def __init__(self, target: TargetRunner, drafter=None, k: int = 4, verify: str = "coupled"):
+    def __init__(self, target: TargetRunner, drafter=None, k: int = 4, verify: str = "coupled",
+                 adaptive: bool = False):
         self.target, self.drafter, self.k, self.verify = target, drafter, k, verify
+        self.adaptive, self.k_now = adaptive, k  # k_now: the next round's draft length
         self.armed = False  # the drafter holds one row per loop row
         self.retire = None  # callable(tokens, single caches): the prompt cache's intake
         self.rows: list[Row] = []
@@ -137,13 +139,15 @@ class BatchLoop:
     def spec_round(self) -> RoundResult | None:
         """One armed round: draft, verify, accept, emit per row, roll back per row."""
         assert self.settled and self.armed
-        k = min(self.k, max(r.request.remaining for r in self.rows) - 1)
+        k = min(self.k_now, max(r.request.remaining for r in self.rows) - 1)
         if k < 1:
             self.plain_round(successor=False)
             return None
         result = spec_round(self.target, self.kv.layers, self.drafter, [r.pending for r in self.rows],
                             [r.prev for r in self.rows], self._rows_sampling(),
                             [r.request.emitted for r in self.rows], k, self.verify, coupled=False)
+        if self.adaptive:
+            self.k_now = next_k(self.k_now, self.k, result)
         back = [k - a for a in result.accepted]
         self.kv.trim_rows(back)
         self.drafter.rollback(back, hidden=bonus_hidden(self.target, result.accepted))

@@ -17,7 +17,7 @@ import mlx.core as mx
 from ..request import Request
 from ..runner import TargetRunner, prefill
 from ..sampling import RowSampling, positions_from, sample
-from .verify import RoundResult, bonus_hidden, last_hidden, spec_round
+from .verify import RoundResult, bonus_hidden, last_hidden, next_k, spec_round
 
 
 @attrs.frozen
@@ -41,9 +41,11 @@ class Handoff:
 class ScalarLoop:
     """One request; speculative rounds with coupled drafting (or plain without a drafter)."""
 
-    def __init__(self, target: TargetRunner, drafter, request: Request, k: int, verify: str = "coupled"):
+    def __init__(self, target: TargetRunner, drafter, request: Request, k: int, verify: str = "coupled",
+                 adaptive: bool = False):
         self.target, self.drafter, self.request = target, drafter, request
         self.k, self.verify = k, verify
+        self.adaptive, self.k_now = adaptive, k  # k_now: this round's draft length
         self.cache = target.make_cache()
         self._buffer: collections.deque[int] = collections.deque()
         self._rows = RowSampling.of([request.params])
@@ -76,13 +78,15 @@ class ScalarLoop:
         return 1
 
     def _round(self) -> None:
-        k = min(self.k, self.request.remaining - 1)
+        k = min(self.k_now, self.request.remaining - 1)
         if self.drafter is None or k < 1:
             self._plain()
             return
         result = spec_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
                             [self.request.emitted], k, self.verify, coupled=True)
         a = result.accepted[0]
+        if self.adaptive:
+            self.k_now = next_k(self.k_now, self.k, result)
         for c in self.cache:
             c.trim(k - a)
         self.drafter.rollback([k - a], hidden=bonus_hidden(self.target, result.accepted))
