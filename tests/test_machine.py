@@ -153,3 +153,20 @@ def test_rearm_patience_delays_rearming(tiny):
             staged_run(spec, jobs)
             counts[patience] = wait_idle(spec)["transitions"].get("Gated->Batched", 0)
     assert counts[0] >= 1 and counts[10**6] == 0
+
+
+def test_hot_requests_decode_plain_where_speculation_does_not_pay(tiny, plain):
+    """max_spec_temperature: a hot lone request starts plain, a hot arrival gates an armed
+    batch, and nothing re-arms while a hot row lives; the streams are plain decoding's."""
+    hot = SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True)
+    cold = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(num_draft_tokens=3, speculative_width_cap=4, rearm_min_remaining=2,
+                          max_spec_temperature=0.5)
+    with Engine(tiny, tiny, config) as spec:
+        assert spec.submit("x = 1", hot).result(60).spec.drafted == 0
+        assert wait_idle(spec)["transitions"] == {"Idle->Gated": 1, "Gated->Idle": 1}
+        out = staged_run(spec, [("def f(x):", cold), ("y = 2", hot)])
+        t = wait_idle(spec)["transitions"]
+        assert t["Idle->Scalar"] == 1 and t["Scalar->Batched"] == 1 and t["Batched->Gated"] == 1, t
+        assert out[1].spec.drafted == 0  # the hot row never took part in a verify round
+    assert [o.token_ids for o in out] == reference(plain, [("def f(x):", cold), ("y = 2", hot)])

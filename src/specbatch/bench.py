@@ -89,12 +89,14 @@ def suite_scalar(ctx) -> dict:
     k = ctx.k
     prompt = code_prompts(ctx.target.tokenizer, 1)
     plain = ctx.engine(speculation=False)
-    modes = {"coupled": ctx.engine(speculative_width_cap=1), "rejection": ctx.engine(speculative_width_cap=1,
-                                                                                     verify="rejection")}
-    greedy = ctx.engine(speculative_width_cap=0)  # width-1 batch loop: greedy drafting
+    always = dict(max_spec_temperature=None)  # speculate at every temperature: what it does
+    modes = {"coupled": ctx.engine(speculative_width_cap=1, **always),
+             "rejection": ctx.engine(speculative_width_cap=1, verify="rejection", **always),
+             "specbatch": ctx.engine()}  # the calibrated policy: plain where speculation loses
+    greedy = ctx.engine(speculative_width_cap=0, **always)  # width-1 batch loop: greedy drafting
     rows = []
     for temp in tqdm([0.0, 0.7, 1.0], desc="scalar", unit="temp"):
-        samples = {"plain": [], "coupled": [], "rejection": [], "batch_greedy": [], "mlx_lm_spec": []}
+        samples = {"plain": [], "coupled": [], "rejection": [], "specbatch": [], "batch_greedy": [], "mlx_lm_spec": []}
         acc = {}
         for _ in range(ctx.repeats):
             samples["plain"].append(engine_tok_s(plain, prompt, ctx.tokens, temp))
@@ -114,7 +116,7 @@ def suite_scalar(ctx) -> dict:
                "speedup": m["coupled"] / m["plain"], "acceptance_coupled": a,
                "acceptance_greedy_draft": statistics.median(acc["batch_greedy"]),
                "acceptance_rejection": statistics.median(acc["rejection"]),
-               "rejection_speedup": m["rejection"] / m["plain"],
+               "rejection_speedup": m["rejection"] / m["plain"], "specbatch_speedup": m["specbatch"] / m["plain"],
                "tokens_per_round": modes["coupled"].stats()["tokens_per_round"],
                "expected_tokens_per_round": (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1}
         if "mlx_lm_spec" in m:
@@ -141,7 +143,8 @@ def _forced_batch_tok_s(engine, prompt, tokens, temp) -> float:
 def suite_widths(ctx) -> dict:
     """Width sweep: plain batching, always-speculate batching, specbatch with its cap."""
     prompts = code_prompts(ctx.target.tokenizer, max(ctx.widths))
-    engines = {"plain": ctx.engine(speculation=False), "always_spec": ctx.engine(speculative_width_cap=0),
+    engines = {"plain": ctx.engine(speculation=False),
+               "always_spec": ctx.engine(speculative_width_cap=0, max_spec_temperature=None),
                "specbatch": ctx.engine()}
     rows = []
     for width in tqdm(ctx.widths, desc="widths", unit="width"):

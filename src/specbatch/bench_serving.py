@@ -98,7 +98,7 @@ def suite_memory(ctx) -> dict:
     """KV bytes per row (allocated vs needed) by width, speculation's extra, and a soak."""
     from .bench import code_prompts
     prompts = code_prompts(ctx.target.tokenizer, max(ctx.widths))
-    plain, spec = ctx.engine(speculation=False), ctx.engine(speculative_width_cap=0)
+    plain, spec = ctx.engine(speculation=False), ctx.engine(speculative_width_cap=0, max_spec_temperature=None)
     rows = []
     for width in tqdm(ctx.widths, desc="memory", unit="width"):
         p, s = _peak_during(plain, prompts[:width], ctx.tokens), _peak_during(spec, prompts[:width], ctx.tokens)

@@ -59,6 +59,14 @@ class EngineConfig:
     prompt_cache_bytes: int = attrs.field(default=256 << 20, validator=attrs.validators.ge(0))
     verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))
     adaptive_k: bool = True  # draft length per round follows acceptance (num_draft_tokens is the most)
+    # requests sampled hotter than this decode plain (None: any temperature speculates);
+    # calibrated: where speculation stopped paying at width 1 for the pair
+    max_spec_temperature: float | None = None
+
+    def pays_for(self, requests) -> bool:
+        """Speculation is worth it for every one of ``requests`` (by temperature)."""
+        hot = self.max_spec_temperature
+        return hot is None or all(r.params.temperature <= hot for r in requests)
 
     def speculates_at(self, width: int) -> bool:
         """The cap is inclusive: width == cap still speculates; 0 means uncapped."""
@@ -108,6 +116,8 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
         cap = lookup(target.name, drafter.name if drafter else None, "cap")
     if num_draft_tokens is None and drafter is not None:
         num_draft_tokens = lookup(target.name, drafter.name, "k")
+    if "max_spec_temperature" not in options and drafter is not None:
+        options["max_spec_temperature"] = lookup(target.name, drafter.name, "max_temperature", float)
     fields = dict(options, speculation=speculation and drafter is not None)
     if cap is not None:
         fields["speculative_width_cap"] = cap
