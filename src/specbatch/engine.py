@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import ctypes
 import queue
 import threading
 import weakref
@@ -38,6 +39,17 @@ def _close_engines() -> None:
     for engine in list(_engines):
         engine.close(timeout=10)
     mx.clear_streams()
+
+
+def release_memory() -> None:
+    """Hand freed memory back to the OS when the engine goes idle: MLX's buffer cache, and
+    the free pages glibc's heap keeps (RSS grew ~120 MB over 1,000 requests without it,
+    with MLX's active memory flat)."""
+    mx.clear_cache()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # glibc only; elsewhere there is nothing to call
+    except (OSError, AttributeError):
+        pass
 
 
 class Engine:
@@ -218,8 +230,11 @@ class Engine:
             plan = self._intake(block=runner.idle)
             if self.lockstep is not None:  # followers replay this plan before we run it
                 self.lockstep.publish(plan, fingerprint(self.scheduler, runner.waiting))
+            was_idle = runner.idle
             if not runner.apply(plan):
                 break
+            if runner.idle and not was_idle:
+                release_memory()
             self._gauges = self.scheduler.gauges()
 
     def _fail(self, error: str) -> None:
