@@ -120,6 +120,7 @@ def soak(engine, tokenizer, n: int = 1000, seed: int = 0) -> dict:
     warm = [engine.submit(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=24, seed=i)) for i in range(32)]
     for h in warm:  # the idle level is that of a warm engine (kernels, allocator pools)
         h.result(600)
+    _wait_idle(engine)
     gc.collect()
     mx.clear_cache()
     idle = rss_bytes()
@@ -136,8 +137,7 @@ def soak(engine, tokenizer, n: int = 1000, seed: int = 0) -> dict:
             live = []
     for h in live:
         h.result(600)
-    while engine.stats()["state"] != "Idle":
-        time.sleep(0.01)
+    _wait_idle(engine)
     gc.collect()
     mx.clear_cache()
     after = rss_bytes()
@@ -145,6 +145,13 @@ def soak(engine, tokenizer, n: int = 1000, seed: int = 0) -> dict:
     return {"requests": n, "rss_idle_mb": idle / 2**20, "rss_after_mb": after / 2**20,
             "growth_mb": (after - idle) / 2**20, "kv_bytes_after": stats["kv_bytes"],
             "finish_reasons": stats["finish_reasons"]}
+
+
+def _wait_idle(engine) -> None:
+    """Until the engine is idle and has released memory (it does so on going idle)."""
+    while engine.stats()["state"] != "Idle":
+        time.sleep(0.01)
+    time.sleep(0.2)
 
 
 def rearm_cost(target, drafter, width: int, history: int) -> float:
