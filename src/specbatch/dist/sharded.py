@@ -13,7 +13,7 @@ from __future__ import annotations
 import structlog
 
 from ..config import EngineConfig, load_pair
-from ..engine import Engine
+from ..engine import Engine, release_memory
 from ..machine import SpecMachine, make_drafter
 from ..models import LoadedModel, demo_pair, load
 from ..plan import Plan, PlanRunner, fingerprint
@@ -112,8 +112,11 @@ def follow(peers: Peers, target: LoadedModel) -> dict:
         mine = fingerprint(machine, runner.waiting)
         if mine != theirs:
             raise PeerLost(f"rank {peers.rank} left lock-step at step {steps}: driver {theirs}, here {mine}")
+        was_idle = runner.idle
         if not runner.apply(plan):
             break
+        if runner.idle and not was_idle:
+            release_memory()  # as the driver's engine does
         steps += 1
     peers.stop()
     summary = {"rank": peers.rank, "steps": steps, "transitions": dict(machine.stats.transitions)}
