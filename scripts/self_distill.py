@@ -16,17 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from tqdm import tqdm
+from tqdm import tqdm  # the generation's progress bar
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_demo_pair import batch_at, distill_loss_for  # noqa: E402
+from train_demo_pair import batch_at, distill_loss_for, timed_fit  # noqa: E402
 
 from specbatch import Engine, SamplingParams  # noqa: E402
 from specbatch.config import EngineConfig  # noqa: E402
@@ -60,27 +59,19 @@ def agreement(target, drafter, batch: mx.array, skip: int) -> float:
 
 
 def finetune(target, drafter, corpus, gens, args) -> int:
-    loss_fn = distill_loss_for(target)
-    opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.1)
-    grad = nn.value_and_grad(drafter, loss_fn)
-    t0, step, ema = time.time(), 0, None
-    bar = tqdm(desc="self-distill", unit="step")
-    while time.time() - t0 < args.minutes * 60:
-        frac = (time.time() - t0) / (args.minutes * 60)
-        opt.learning_rate = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * frac)))
-        n_gen = args.batch * 3 // 4  # mostly the target's own text; corpus text keeps it general
+    n_gen = args.batch * 3 // 4  # mostly the target's own text; corpus text keeps it general
+
+    def inputs_at(step):
         g = gen_batch(gens, step, args.seed, n_gen)
         c = batch_at(corpus, step, args.seed + 3, args.batch - n_gen, g.shape[1] - 1)
-        loss, grads = grad(drafter, mx.concatenate([g, c], axis=0))
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt.update(drafter, grads)
-        mx.eval(drafter.parameters(), opt.state, loss)
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema:.3f}")
-    bar.close()
-    return step
+        return (mx.concatenate([g, c], axis=0),)
+
+    def lr(step, frac):  # warmup, then cosine to 10%
+        return args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * frac)))
+
+    opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.1)
+    return timed_fit(drafter, opt, nn.value_and_grad(drafter, distill_loss_for(target)), inputs_at, lr,
+                     args.minutes, "self-distill")
 
 
 def main() -> None:

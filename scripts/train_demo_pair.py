@@ -158,6 +158,25 @@ def train_phase(role, model, loss_fn, data, args, minutes, work: Path, peak_lr):
     return meta
 
 
+def timed_fit(model, opt, loss_and_grad, inputs_at, lr_at_step, minutes: float, desc: str) -> int:
+    """The short fine-tunes' loop: ``loss_and_grad(model, *inputs_at(step))`` for ``minutes``,
+    learning rate ``lr_at_step(step, elapsed fraction)``, grad clip 1.0; returns the steps."""
+    t0, step, ema = time.time(), 0, None
+    bar = tqdm(desc=desc, unit="step")
+    while (elapsed := time.time() - t0) < minutes * 60:
+        opt.learning_rate = lr_at_step(step, elapsed / (minutes * 60))
+        loss, grads = loss_and_grad(model, *inputs_at(step))
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, loss)
+        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}")
+    bar.close()
+    return step
+
+
 def ce_loss(model, batch):
     logits = model(batch[:, :-1])
     return nn.losses.cross_entropy(logits, batch[:, 1:], reduction="mean")

@@ -14,18 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from self_distill import gen_batch  # noqa: E402
-from train_demo_pair import batch_at, corpus_files, encode  # noqa: E402
+from train_demo_pair import batch_at, corpus_files, encode, timed_fit  # noqa: E402
 
 from specbatch.drafters.mtp import MTPHead, head_config, save_head  # noqa: E402
 from specbatch.models import load  # noqa: E402
@@ -94,23 +92,18 @@ def main() -> None:
     mx.eval(head.parameters())
     opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.01)
     loss_grad = nn.value_and_grad(head, lambda h, *a: head_loss(h, runner, *a))
-    t0, step, bar, ema = time.time(), 0, tqdm(desc="mtp head", unit="step"), None
-    while time.time() - t0 < args.minutes * 60:
-        frac = (time.time() - t0) / (args.minutes * 60)
-        opt.learning_rate = args.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * (1 - frac))
+
+    def inputs_at(step):
         batch = batch_at(train, step, args.seed + 7, args.batch, args.seq)
         if gens is not None:  # what the head will draft on: the target's text
             batch = mx.concatenate([batch[: args.batch // 2, : gens.shape[1]],
                                     gen_batch(gens, step, args.seed, args.batch - args.batch // 2)], axis=0)
-        loss, grads = loss_grad(head, batch, *target_pass(runner, model, batch))
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt.update(head, grads)
-        mx.eval(head.parameters(), opt.state, loss)
-        ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema:.3f}")
-    bar.close()
+        return (batch, *target_pass(runner, model, batch))
+
+    def lr(step, frac):  # warmup, then linear decay to 10%
+        return args.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * (1 - frac))
+
+    step = timed_fit(head, opt, loss_grad, inputs_at, lr, args.minutes, "mtp head")
     report = {**evaluate(head, runner, model, held), "mtp_steps": step, "mtp_minutes": args.minutes}
     print(json.dumps(report, indent=1))
     save_head(head, args.out)

@@ -61,7 +61,6 @@ def test_calibration_picks_the_widest_winning_width(tmp_path, monkeypatch):
 
 def test_calibration_finds_where_speculation_stops_paying(tmp_path, monkeypatch):
     from specbatch import calibration
-    from specbatch.config import load_pair
     assert calibration.choose_max_temperature({0.0: 2.2, 0.35: 1.4, 0.7: 0.9, 1.0: 0.8}) == 0.35
     assert calibration.choose_max_temperature({0.0: 1.5, 0.7: 1.2}) is None  # wins everywhere
     assert calibration.choose_max_temperature({0.0: 0.9, 0.7: 1.2}) == -1.0  # not even greedy

@@ -63,10 +63,12 @@ class EngineConfig:
     # calibrated: where speculation stopped paying at width 1 for the pair
     max_spec_temperature: float | None = None
 
-    def pays_for(self, requests) -> bool:
-        """Speculation is worth it for every one of ``requests`` (by temperature)."""
+    def speculates_for(self, requests) -> bool:
+        """``requests`` decoding together speculate: within the cap, and none sampled
+        hotter than ``max_spec_temperature``."""
         hot = self.max_spec_temperature
-        return hot is None or all(r.params.temperature <= hot for r in requests)
+        cool = hot is None or all(r.params.temperature <= hot for r in requests)
+        return cool and self.speculates_at(len(requests))
 
     def speculates_at(self, width: int) -> bool:
         """The cap is inclusive: width == cap still speculates; 0 means uncapped."""

@@ -86,12 +86,11 @@ class SpecMachine:
         return self.drafter_source is not None and self.config.speculation
 
     def lone_arrival(self) -> bool:
-        return self.speculative and len(self.waiting) == 1 and self.config.pays_for(self.waiting)
+        return self.speculative and len(self.waiting) == 1 and self.config.speculates_for(self.waiting)
 
     def burst_within_cap(self) -> bool:
         n = self._room()
-        return (self.speculative and n >= 2 and self.config.speculates_at(n)
-                and self.config.pays_for(list(self.waiting)[:n]))
+        return self.speculative and n >= 2 and self.config.speculates_for(list(self.waiting)[:n])
 
     def plain_arrivals(self) -> bool:
         return bool(self.waiting) and not self.lone_arrival() and not self.burst_within_cap()
@@ -105,16 +104,15 @@ class SpecMachine:
 
     def over_cap(self) -> bool:
         """Over the cap, or a row (or an arrival) too hot for speculation to pay."""
-        room = self._room()
-        joining = [r.request for r in self.batch.rows] + list(self.waiting)[:room]
-        return not self.config.speculates_at(self.batch.width + room) or not self.config.pays_for(joining)
+        joining = [r.request for r in self.batch.rows] + list(self.waiting)[:self._room()]
+        return not self.config.speculates_for(joining)
 
     def rearm_pays(self) -> bool:
         rows = self.batch.rows
         live = [r.request.remaining for r in rows if not r.request.finished]
         return (self.speculative and self.config.resume and not self.waiting and bool(live)
-                and self.config.speculates_at(len(rows)) and max(live) >= self.config.rearm_min_remaining
-                and self.config.pays_for([r.request for r in rows if not r.request.finished])
+                and self.config.speculates_for([r.request for r in rows])
+                and max(live) >= self.config.rearm_min_remaining
                 and self.calm_rounds >= self.config.rearm_patience)
 
     def no_rows(self) -> bool:

@@ -140,11 +140,13 @@ class Request:
     spec: SpecStats = attrs.field(factory=SpecStats)
 
     @classmethod
-    def create(cls, prompt: list[int], params: SamplingParams, tokenizer) -> "Request":
-        """A request and its handle (``params`` must carry its seed already)."""
+    def create(cls, prompt: list[int], params: SamplingParams, tokenizer,
+               request_id: str | None = None) -> "Request":
+        """A request and its handle (``params`` must carry its seed already); ``request_id``:
+        reuse an id given elsewhere (a follower rank mirrors the driver's)."""
         handle = RequestHandle("", params.seed, len(prompt))
         request = cls(prompt, params, TextStream(tokenizer, params.stop), handle,
-                      frozenset(tokenizer.eos_token_ids))
+                      frozenset(tokenizer.eos_token_ids), **({"id": request_id} if request_id else {}))
         handle.request_id = request.id
         return request
 

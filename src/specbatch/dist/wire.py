@@ -28,9 +28,8 @@ def decode_plan(data: bytes, tokenizer) -> tuple[Plan, str]:
     msg = json.loads(data)
     arrivals = []
     for a in msg["arrivals"]:
-        request = Request.create(a["prompt"], SamplingParams(**a["params"]), tokenizer)
-        request.id = request.handle.request_id = a["id"]  # the driver's id: cancels name it
-        arrivals.append(request)
+        # the driver's id: cancels name it
+        arrivals.append(Request.create(a["prompt"], SamplingParams(**a["params"]), tokenizer, a["id"]))
     plan = Plan(tuple(arrivals), tuple(msg["cancels"]), closing=msg["closing"],
                 abandon=msg["abandon"], more_coming=msg["more_coming"])
     return plan, msg["fingerprint"]
