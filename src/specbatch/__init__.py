@@ -4,11 +4,12 @@ from .logs import configure_default as _configure_logs
 
 _configure_logs()
 
+from .core import EngineCore, StepEvent  # noqa: E402
 from .engine import Engine  # noqa: E402
 from .errors import EngineClosed, InvalidRequest, QueueFull
 from .request import Completion, RequestHandle, TokenEvent, Usage
 from .sampling import SamplingParams
 
-__all__ = ["Engine", "SamplingParams", "Completion", "RequestHandle", "TokenEvent", "Usage",
-           "InvalidRequest", "EngineClosed", "QueueFull"]
+__all__ = ["Engine", "EngineCore", "StepEvent", "SamplingParams", "Completion", "RequestHandle",
+           "TokenEvent", "Usage", "InvalidRequest", "EngineClosed", "QueueFull"]
 __version__ = "0.1.0"

@@ -1,33 +1,31 @@
-"""The engine: a thread that owns MLX, an injection queue, and request handles.
+"""The engine: a thread that drives one ``EngineCore``, an injection queue, and request handles.
 
-Data flows one way: ``submit`` validates and queues a request; the engine thread moves
-queued requests to the scheduler between rounds; the scheduler (the state machine)
-decides what each round is and runs it on the decode loops; tokens flow back to the
-request handles as events. Callers never block the engine thread.
+Data flows one way: ``submit`` validates (the core's rules) and queues a request; the
+engine thread cuts a ``Plan`` from what callers did since the last step and hands it to
+the core, whose state machine decides what the round is and runs it on the decode loops;
+tokens flow back to the request handles as events. Callers never block the engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import ctypes
 import queue
 import threading
 import weakref
 from typing import Iterable
 
-import attrs
 import mlx.core as mx
 import structlog
 
 from .config import EngineConfig
-from .errors import EngineClosed, InvalidRequest, QueueFull
+from .core import EngineCore, release_memory  # noqa: F401  (release_memory: its old home)
+from .errors import EngineClosed
 from .models import LoadedModel
 from .request import Request, RequestHandle
 from .sampling import SamplingParams
-from .plan import Lockstep, Plan, PlanRunner, fingerprint
+from .plan import Lockstep, Plan
 from .scheduler import Scheduler, build_scheduler
-from .stats import EngineStats
 
 log = structlog.get_logger(__name__)
 _engines: weakref.WeakSet = weakref.WeakSet()
@@ -41,17 +39,6 @@ def _close_engines() -> None:
     mx.clear_streams()
 
 
-def release_memory() -> None:
-    """Hand freed memory back to the OS when the engine goes idle: MLX's buffer cache, and
-    the free pages glibc's heap keeps (RSS grew ~120 MB over 1,000 requests without it,
-    with MLX's active memory flat)."""
-    mx.clear_cache()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)  # glibc only; elsewhere there is nothing to call
-    except (OSError, AttributeError):
-        pass
-
-
 class Engine:
     """Speculative decoding and continuous batching together, behind one small API."""
 
@@ -60,24 +47,15 @@ class Engine:
                  lockstep: Lockstep | None = None):
         """``scheduler_factory(target, drafter, config, stats)`` builds the scheduler (the
         state machine by default); ``lockstep`` publishes each plan to follower ranks."""
-        self.target = target
-        self.drafter = drafter
-        self.config = config or EngineConfig()
+        self.core = EngineCore(target, drafter, config, scheduler_factory=scheduler_factory,
+                               lockstep=lockstep)
+        self.target, self.drafter, self.config = target, drafter, self.core.config
         self.tokenizer = target.tokenizer
-        self._stats = EngineStats()
-        self.scheduler: Scheduler = scheduler_factory(target, drafter, self.config, self._stats)
         self._inbox: queue.SimpleQueue[list[Request] | None] = queue.SimpleQueue()  # batches of arrivals
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self.lockstep = lockstep
-        self._runner = PlanRunner(self.scheduler, self._book,
-                                  fatal=lockstep.is_fatal if lockstep else (lambda exc: False))
-        self.failure: str | None = None  # why the engine stopped, if it failed
         self._on_failure: list = []
         self._in_flight_to_queue = 0  # submitted, not yet moved to the waiting list
         self._lock = threading.Lock()
-        self._closing = False
-        self._drain = True
-        self._gauges = self.scheduler.gauges()  # published by the engine thread after each step
         self._thread = threading.Thread(target=self._run, name="specbatch-engine", daemon=True)
         self._thread.start()
         _engines.add(self)
@@ -97,39 +75,26 @@ class Engine:
                                             num_draft_tokens=num_draft_tokens, **options)
         return cls(target, drafter, config)
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def lockstep(self) -> Lockstep | None:
+        return self.core.lockstep
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped, if it failed."""
+        return self.core.failure
+
     # -- caller side ------------------------------------------------------------------
     def encode(self, prompt: str | Iterable[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
-        if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
-        if any(not 0 <= t < self.target.vocab_size for t in ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.target.vocab_size})", "prompt")
-        return ids
+        return self.core.encode(prompt)
 
     def prepare(self, prompt, params=None) -> Request:
         """Validate and build a request without queueing it (raises on bad input)."""
-        if self._closing:
-            raise EngineClosed(f"engine stopped: {self.failure}" if self.failure else "engine is closed")
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, dict):
-            params = SamplingParams(**params)
-        ids = self.encode(prompt)
-        if not ids:
-            raise InvalidRequest("prompt must not be empty", "prompt")
-        room = self.target.context_length - len(ids)
-        if room < 1:
-            raise InvalidRequest(
-                f"prompt has {len(ids)} tokens; the model's context is "
-                f"{self.target.context_length}", "prompt", "context_length_exceeded")
-        params = params.with_seed()
-        if params.max_tokens > room:  # a prompt may fill the context up to the limit
-            params = attrs.evolve(params, max_tokens=room)
-        if self._in_flight_to_queue + len(self._runner.waiting) >= self.config.max_queue:
-            raise QueueFull(f"{self.config.max_queue} requests are already waiting")
-        return Request.create(ids, params, self.tokenizer)
+        return self.core.prepare(prompt, params, in_transit=self._in_flight_to_queue)
 
     def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> RequestHandle:
         """Queue a request and return its handle at once."""
@@ -148,7 +113,7 @@ class Engine:
             raise EngineClosed(f"engine stopped: {self.failure}")
         with self._lock:
             self._in_flight_to_queue += len(requests)
-        self._stats.submitted += len(requests)
+        self.core.counters.submitted += len(requests)
         self._inbox.put(list(requests))
 
     async def stream(self, prompt, params=None):
@@ -177,11 +142,11 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters and gauges; safe from any thread (gauges are the last step's)."""
-        return self._stats.snapshot(self._gauges, queue_depth=len(self._runner.waiting) + self._in_flight_to_queue)
+        return self.core.stats(queued=self._in_flight_to_queue)
 
     def close(self, drain: bool = False, timeout: float | None = 60.0) -> None:
         """Stop admitting; finish (``drain``) or cancel in-flight work; join the thread."""
-        self._closing, self._drain = True, drain
+        self.core.stop_admitting(drain)
         self._inbox.put(None)
         self._thread.join(timeout)
 
@@ -208,58 +173,34 @@ class Engine:
         cancels = []
         while not self._cancels.empty():
             cancels.append(self._cancels.get_nowait())
-        return Plan(tuple(arrivals), tuple(cancels), closing=self._closing,
-                    abandon=self._closing and not self._drain, more_coming=not self._inbox.empty())
+        core = self.core
+        return Plan(tuple(arrivals), tuple(cancels), closing=core.closing,
+                    abandon=core.closing and not core.drain, more_coming=not self._inbox.empty())
 
     def _run(self) -> None:
         try:
-            self._serve()
+            while not self.core.closed:
+                self.core.apply(self._intake(block=self.core.idle))  # handles got the events
         except Exception as exc:  # only errors no round can recover from get here
-            lost = self.lockstep is not None and self.lockstep.is_fatal(exc)
+            lockstep = self.core.lockstep
+            lost = lockstep is not None and lockstep.is_fatal(exc)
             self._fail(("a peer rank was lost: " if lost else "") + f"{type(exc).__name__}: {exc}")
         finally:
-            if self.lockstep is not None:
-                self.lockstep.close()
-            self.scheduler.shutdown()
-            self._gauges = self.scheduler.gauges()
+            self.core.shutdown()
             mx.clear_streams()  # MLX needs per-thread cleanup before interpreter exit
-
-    def _serve(self) -> None:
-        runner = self._runner
-        while True:
-            plan = self._intake(block=runner.idle)
-            if self.lockstep is not None:  # followers replay this plan before we run it
-                self.lockstep.publish(plan, fingerprint(self.scheduler, runner.waiting))
-            was_idle = runner.idle
-            if not runner.apply(plan):
-                break
-            if runner.idle and not was_idle:
-                release_memory()
-            self._gauges = self.scheduler.gauges()
 
     def _fail(self, error: str) -> None:
         """The engine cannot go on (a lost peer): every request gets an error event."""
-        self.failure, self._closing = error, True
-        log.error("engine_failed", error=error)
-        failed = self._runner.fail_all(error)
+        unseen: list[Request] = []
         try:  # arrivals the failed step never saw
             while True:
-                failed += self._inbox.get_nowait() or []
+                unseen += self._inbox.get_nowait() or []
         except queue.Empty:
             pass
-        for request in failed:
-            request.abort("error", error)
-        self._book(failed)
+        self.core.fail(error, unseen)
         for callback in list(self._on_failure):
             callback(error)
 
     def on_failure(self, callback) -> None:
         """Call ``callback(error)`` if the engine stops on an unrecoverable error."""
         self._on_failure.append(callback)
-
-    def _book(self, finished: list[Request]) -> None:
-        """Close out requests that left the engine: counters and a log line."""
-        for request in finished:
-            self._stats.record_finish(request)
-            log.info("finish", request=request.id, reason=request.finish_reason, tokens=request.emitted,
-                     drafted=request.spec.drafted, accepted=request.spec.accepted, retire=request.retire)

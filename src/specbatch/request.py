@@ -81,9 +81,12 @@ class RequestHandle:
         self._completion: Completion | None = None
         self._consumed_final = False
         self._listeners: list = []
+        self._observers: list = []  # callables an engine core uses to gather a step's events
 
     # engine side ----------------------------------------------------------------------
     def _push(self, event: TokenEvent) -> None:
+        for observe in self._observers:
+            observe(event)
         self._events.put(event)
         for loop, aqueue in self._listeners:
             try:

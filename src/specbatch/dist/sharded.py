@@ -13,11 +13,11 @@ from __future__ import annotations
 import structlog
 
 from ..config import EngineConfig, load_pair
-from ..engine import Engine, release_memory
+from ..core import EngineCore
+from ..engine import Engine
 from ..machine import SpecMachine, make_drafter
 from ..models import LoadedModel, demo_pair, load
-from ..plan import Plan, PlanRunner, fingerprint
-from ..stats import EngineStats
+from ..plan import Plan
 from .peers import Peers, PeerLost, is_peer_failure
 from .relay import EchoDrafter, RelayDrafter
 from .wire import decode_hello, decode_plan, encode_hello, encode_plan
@@ -100,25 +100,27 @@ def follow(peers: Peers, target: LoadedModel) -> dict:
     if (hello["layers"], hello["vocab"]) != (target.n_layers, target.vocab_size):
         raise PeerLost(f"rank {peers.rank} loaded a different target than the driver's {hello['target']}")
     send_logits = config.verify == "rejection"
-    machine = SpecMachine(target, REMOTE_DRAFTER if hello["speculative"] else None, config, EngineStats(),
-                          drafter_factory=lambda source, runner, batch: EchoDrafter(peers, target.vocab_size,
-                                                                                    send_logits))
-    runner = PlanRunner(machine, book=lambda finished: None, fatal=is_peer_failure)
+
+    def echo(source, runner, batch):
+        return EchoDrafter(peers, target.vocab_size, send_logits)
+
+    def machine(t, d, c, stats):
+        return SpecMachine(t, d, c, stats, drafter_factory=echo)
+
+    # the same core the driver's engine steps, fed the driver's plans instead of its own
+    core = EngineCore(target, REMOTE_DRAFTER if hello["speculative"] else None, config,
+                      scheduler_factory=machine, fatal=is_peer_failure)
     peers.watch(on_hang=lambda error: None)
     log.info("follower_ready", rank=peers.rank, ranks=peers.size, model=target.name)
     steps = 0
-    while True:
+    while not core.closed:
         plan, theirs = decode_plan(peers.send_bytes(None), target.tokenizer)
-        mine = fingerprint(machine, runner.waiting)
+        mine = core.fingerprint()
         if mine != theirs:
             raise PeerLost(f"rank {peers.rank} left lock-step at step {steps}: driver {theirs}, here {mine}")
-        was_idle = runner.idle
-        if not runner.apply(plan):
-            break
-        if runner.idle and not was_idle:
-            release_memory()  # as the driver's engine does
-        steps += 1
+        core.apply(plan)  # releases memory on going idle, as the driver's engine does
+        steps += 0 if core.closed else 1
     peers.stop()
-    summary = {"rank": peers.rank, "steps": steps, "transitions": dict(machine.stats.transitions)}
+    summary = {"rank": peers.rank, "steps": steps, "transitions": dict(core.counters.transitions)}
     log.info("follower_done", **summary)
     return summary
