@@ -9,10 +9,14 @@ target's own sampled stream whatever was drafted, by which loop, at which width.
 
 from __future__ import annotations
 
+import math
 import secrets
 
 import attrs
 import mlx.core as mx
+
+
+INT32_MAX = (1 << 31) - 1
 
 
 def _non_negative(inst, attr, value):
@@ -40,6 +44,17 @@ def _max_tokens(inst, attr, value):
 def _number(inst, attr, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{attr.name} must be a number, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int past float range
+        finite = False
+    if not finite:  # NaN passes every range check; a NaN temperature decoded greedily
+        raise ValueError(f"{attr.name} must be a finite number, got {value!r}")
+
+
+def _int32(inst, attr, value):
+    if value is not None and value > INT32_MAX:  # it reaches mx.array: past int32 the row dtypes clash
+        raise ValueError(f"{attr.name} must be <= {INT32_MAX}, got {value}")
 
 
 def _stops(value) -> tuple[str, ...]:
@@ -67,7 +82,7 @@ class SamplingParams:
     max_tokens: int = attrs.field(default=256, validator=_max_tokens)
     temperature: float = attrs.field(default=0.0, validator=[_number, _non_negative])
     top_p: float = attrs.field(default=1.0, validator=[_number, _top_p_range])
-    top_k: int = attrs.field(default=0, validator=[_int_like, _non_negative])
+    top_k: int = attrs.field(default=0, validator=[_int_like, _non_negative, _int32])
     seed: int | None = attrs.field(default=None, validator=_int_like)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stops)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_ids)
