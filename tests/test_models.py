@@ -67,3 +67,32 @@ def test_calibration_finds_where_speculation_stops_paying(tmp_path, monkeypatch)
     monkeypatch.setenv("SPECBATCH_CALIBRATION", str(tmp_path / "cal.json"))
     calibration.store_cap("/m/target", "/m/drafter", 2, {"1": 1.5}, 4, {"max_temperature": 0.35, "curve": {}})
     assert calibration.lookup("/x/target", "/y/drafter", "max_temperature", float) == 0.35
+
+
+def _load_in_plain_python(folder, env_extra):
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "SPECBATCH_BLAS_REEXEC")}
+    code = (f"import specbatch; from specbatch.models import load; load({str(folder)!r}); load({str(folder)!r}); "
+            "from specbatch.openblas import active_blas; import sys; print('blas:', active_blas(), file=sys.stderr)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**env, **env_extra}).stderr
+
+
+def test_plain_python_on_the_reference_blas_is_warned_once(model_dir):
+    if not (blas.wanted() and blas.openblas_path()):
+        pytest.skip("OpenBLAS preloading does not apply on this platform")
+    err = _load_in_plain_python(model_dir["llama"], {})
+    if "blas: openblas (loaded in-process)" in err:  # the system has libgfortran: nothing to warn
+        assert "slow_blas" not in err
+    else:
+        assert err.count("slow_blas") == 1 and "python -m specbatch.blas" in err
+    env = blas.preload_env({})
+    preloaded = _load_in_plain_python(model_dir["llama"], env)
+    assert "slow_blas" not in preloaded and "blas: openblas" in preloaded
+    # found through the library path (as where the system has libgfortran): loaded in-process
+    if "LD_LIBRARY_PATH" in env:
+        found = _load_in_plain_python(model_dir["llama"], {"LD_LIBRARY_PATH": env["LD_LIBRARY_PATH"]})
+        assert "blas: openblas (loaded in-process)" in found and "slow_blas" not in found

@@ -9,16 +9,20 @@ from .blas import ensure_openblas
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="target: mlx-lm folder or HF id (default: embedded demo pair)")
+    p.add_argument("--model", default=None,
+                   help="target: mlx-lm folder, GGUF file or HF id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft-model", default=None, help="drafter with the target's vocabulary (or an MTP head folder)")
-    p.add_argument("--drafter", default="model", choices=["model", "mtp", "ngram"],
+    p.add_argument("--drafter", default=None, choices=["model", "mtp", "ngram"],
                    help="a separate draft model, the target's multi-token-prediction head, or "
-                        "prompt lookup in the request's own tokens")
+                        "prompt lookup in the request's own tokens (default: 'model' with --draft-model, "
+                        "else the embedded target's trained drafter, else prompt lookup)")
     p.add_argument("--no-speculation", action="store_true", help="decode plain")
     p.add_argument("--speculative-width-cap", type=int, default=None,
                    help="widest batch that still speculates (0 = uncapped)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per round (k)")
-    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 | auto")
+    p.add_argument("--dtype", default=None,
+                   help="float32 | float16 | bfloat16 | quantized (keep a checkpoint's quantized weights) | auto "
+                        "(fp32 on CPU, the checkpoint's own on a GPU)")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -43,6 +47,14 @@ def _engine(args, **options):
                           **options)
 
 
+def chat_prompt(tokenizer, text: str) -> str | None:
+    """``text`` as one user turn in the model's chat template (None: the model has none)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+
+
 def cmd_generate(args) -> int:
     from . import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -51,8 +63,10 @@ def cmd_generate(args) -> int:
     if engine is None:  # a follower rank: it replayed the driver's rounds
         return 0
     with engine:
-        handle = engine.submit(args.prompt, params)
-        sys.stdout.write(args.prompt)
+        chat = None if args.raw else chat_prompt(engine.tokenizer, args.prompt)
+        handle = engine.submit(chat or args.prompt, params)
+        if chat is None:  # plain completion: the continuation reads on from the prompt
+            sys.stdout.write(args.prompt)
         for event in handle:
             sys.stdout.write(event.text)
             sys.stdout.flush()
@@ -86,6 +100,13 @@ def cmd_calibrate(args) -> int:
     return run_calibrate(args)
 
 
+def cmd_convert(args) -> int:
+    from .gguf import convert
+    out = convert(args.gguf, args.out, dequantize=args.dtype == "float32")
+    print(f"wrote {out} (open it with mlx_lm.load or --model {out})")
+    return 0
+
+
 def cmd_statechart(args) -> int:
     from .statechart import run_statechart
     return run_statechart(args)
@@ -101,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true",
+                   help="plain completion of the prompt (default: one user turn in the model's chat template)")
     _model_args(g)
     _distributed_args(g)
     g.set_defaults(func=cmd_generate)
@@ -125,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     _measuring_parsers(sub)
+
+    cv = sub.add_parser("convert", help="write a GGUF file (llama, mistral, qwen2) as an mlx-lm model folder")
+    cv.add_argument("gguf")
+    cv.add_argument("out")
+    cv.add_argument("--dtype", default="native", choices=["native", "float32"],
+                    help="native: keep the file's quantized weights; float32: dequantize")
+    cv.set_defaults(func=cmd_convert)
 
     s = sub.add_parser("statechart", help="write or check the Mermaid chart of the machine")
     s.add_argument("--write", action="store_true")

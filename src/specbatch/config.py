@@ -84,17 +84,22 @@ def env_cap() -> int | None:
 
 
 def load_pair(model=None, draft_model=None, *, speculation=True, speculative_width_cap=None,
-              num_draft_tokens=None, dtype=None, drafter="model", **options):
-    """Load target and drafter (the embedded demo pair when ``model`` is None).
+              num_draft_tokens=None, dtype=None, drafter=None, **options):
+    """Load target and drafter (the embedded target and its default drafter when ``model``
+    is None).
 
-    ``drafter="model"``: ``draft_model`` is a separate mlx-lm model. ``drafter="mtp"``: an
+    ``drafter=None``: ``"model"`` when a ``draft_model`` is given, else the embedded
+    target's default (its trained MTP head where one ships) or, for another target,
+    prompt lookup. ``drafter="model"``: ``draft_model`` is a separate mlx-lm model. ``drafter="mtp"``: an
     MTP head, from ``draft_model`` (our head folder, or a checkpoint that ships MTP
     layers), else the target folder's ``mtp/`` or the target checkpoint itself.
     ``drafter="ngram"``: prompt lookup in each request's own tokens (no weights)."""
-    if drafter not in ("model", "mtp", "ngram"):
-        raise ValueError(f"drafter must be 'model', 'mtp' or 'ngram', got {drafter!r}")
     from . import models
 
+    if drafter is None:
+        drafter = "model" if draft_model is not None else (models.default_drafter() if model is None else "ngram")
+    if drafter not in ("model", "mtp", "ngram"):
+        raise ValueError(f"drafter must be 'model', 'mtp' or 'ngram', got {drafter!r}")
     if model is None:
         pair = models.demo_pair()
         model = str(pair["target"])
