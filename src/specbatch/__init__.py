@@ -1,6 +1,10 @@
 """specbatch: speculative decoding and continuous batching together, on MLX."""
 
-from .logs import configure_default as _configure_logs
+from .openblas import preload_in_process as _preload_blas
+
+_preload_blas()  # before anything imports MLX: its BLAS calls then bind to OpenBLAS
+
+from .logs import configure_default as _configure_logs  # noqa: E402
 
 _configure_logs()
 
