@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--kv-budget-mb", type=int, default=0, help="target KV budget; admission waits past it (0: none)")
     sv.add_argument("--prompt-cache-mb", type=int, default=256, help="prompt (prefix) cache bound")
+    sv.add_argument("--shutdown-grace", type=float, default=30.0,
+                    help="seconds live requests get to finish after SIGTERM before they are cut")
     _model_args(sv)
     _distributed_args(sv)
     sv.set_defaults(func=cmd_serve)
