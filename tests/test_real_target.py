@@ -1,0 +1,75 @@
+"""The embedded target (SmolLM2-135M-Instruct from its GGUF): plausible answers, and every
+speculative stream equal to plain decoding, greedy and seeded, alone and in a batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from specbatch import EngineCore, SamplingParams
+from specbatch.config import EngineConfig
+from specbatch.models import ModelNotFound, embedded_target, load
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of Australia?", "How do I reverse a list in Python?",
+             "Name three colours of the rainbow."]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    try:
+        return load(embedded_target())
+    except ModelNotFound as exc:
+        pytest.skip(str(exc))
+
+
+def chat(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def run(core, jobs):
+    """Token ids per job; all added before the first step (a burst)."""
+    ids = [core.add(prompt, params) for prompt, params in jobs]
+    out = {rid: [] for rid in ids}
+    while core.has_work():
+        for event in core.step():
+            out[event.request_id] += event.token_ids
+    return [out[rid] for rid in ids]
+
+
+def test_greedy_chat_answer_names_canberra(smol):
+    with EngineCore(smol, None, EngineConfig(speculation=False)) as core:
+        [ids] = run(core, [(chat(smol.tokenizer, QUESTIONS[0]), SamplingParams(max_tokens=24, temperature=0))])
+    assert "Canberra" in smol.tokenizer.decode(ids)
+    assert ids[-1] in smol.tokenizer.eos_token_ids  # stops at its end-of-turn token
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_prompt_lookup_speculation_equals_plain_alone_and_batched(smol, temperature):
+    from specbatch.drafters.ngram import NGramSource
+    jobs = [(chat(smol.tokenizer, q), SamplingParams(max_tokens=40, temperature=temperature, seed=7 + i))
+            for i, q in enumerate(QUESTIONS)]
+    with EngineCore(smol, None, EngineConfig(speculation=False)) as plain:
+        ref = run(plain, jobs)
+    drafter = NGramSource(smol.vocab_size)
+    with EngineCore(smol, drafter, EngineConfig(speculative_width_cap=0, num_draft_tokens=4)) as spec:
+        alone = [run(spec, [job])[0] for job in jobs]
+        batched = run(spec, jobs)
+        assert spec.stats()["spec_rounds"] > 0
+    assert alone == ref and batched == ref
+
+
+def test_chat_endpoint_uses_the_template_and_stops_at_end_of_turn(smol):
+    from test_server import Served  # the suite's uvicorn-in-a-thread server
+
+    from specbatch import Engine
+    served = Served(Engine(smol, None, EngineConfig(speculation=False)))
+    try:
+        reply = served.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=40, temperature=0)
+    finally:
+        served.close()
+    choice = reply.choices[0]
+    assert "Canberra" in choice.message.content and choice.finish_reason == "stop"
+    assert "<|im_end|>" not in choice.message.content and reply.usage.completion_tokens < 40
