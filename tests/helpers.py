@@ -1,7 +1,10 @@
-"""Building requests and loops directly (no engine thread) for exact loop tests."""
+"""Building requests and loops directly, and stepping an EngineCore (no engine thread), for exact tests."""
 
 from __future__ import annotations
 
+import attrs
+
+from specbatch.core import StepEvent
 from specbatch.loops.batch import BatchLoop
 from specbatch.loops.scalar import ScalarLoop
 from specbatch.machine import make_drafter
@@ -75,3 +78,59 @@ def inject_failure(engine, at_call: int, message: str = "injected kernel failure
         return real(tokens, cache)
 
     runner.forward = flaky
+
+
+# -- driving an EngineCore step by step (no thread, no timing) -----------------------------
+@attrs.define
+class Run:
+    """What ``drive`` saw: the core's state after each step and each request's stream."""
+
+    states: list[str] = attrs.field(factory=list)
+    tokens: dict[str, list[int]] = attrs.field(factory=dict)  # request id -> tokens, from events
+    text: dict[str, str] = attrs.field(factory=dict)
+    finals: dict[str, StepEvent] = attrs.field(factory=dict)  # request id -> its last event
+
+    def see(self, events: list[StepEvent]) -> None:
+        for event in events:
+            assert event.request_id not in self.finals, f"{event.request_id}: an event after its finish"
+            self.tokens.setdefault(event.request_id, []).extend(event.token_ids)
+            self.text[event.request_id] = self.text.get(event.request_id, "") + event.text
+            if event.finish_reason is not None:
+                self.finals[event.request_id] = event
+
+    @property
+    def path(self) -> list[str]:
+        """The states visited, each run of steps in one state collapsed to one entry."""
+        return [s for i, s in enumerate(self.states) if i == 0 or self.states[i - 1] != s]
+
+
+def drive(core, arrivals: dict | None = None, cancels: dict | None = None, run: Run | None = None,
+          max_steps: int = 10_000) -> tuple[Run, list[str]]:
+    """Step ``core`` until it has no work. Before step ``i`` (0-based, counted from this
+    call) it adds ``arrivals[i]`` (``(prompt, params)`` jobs) and cancels ``cancels[i]``
+    (indexes into the ids added so far). Returns the run and the ids, in order added."""
+    arrivals, cancels, run = arrivals or {}, cancels or {}, run or Run()
+    ids: list[str] = []
+    last = max([*arrivals, *cancels], default=-1)
+    for i in range(max_steps):
+        ids += [core.add(prompt, params) for prompt, params in arrivals.get(i, [])]
+        for which in cancels.get(i, []):
+            core.cancel(ids[which])
+        if i > last and not core.has_work():
+            return run, ids
+        run.see(core.step())
+        run.states.append(core.state)
+    raise AssertionError(f"still busy after {max_steps} steps: {core.state}")
+
+
+def plain_streams(target, jobs) -> list[list[int]]:
+    """Each ``(prompt, params)`` job decoded alone with speculation off."""
+    from specbatch.config import EngineConfig
+    from specbatch.core import EngineCore
+
+    out = []
+    with EngineCore(target, None, EngineConfig(speculation=False)) as core:
+        for job in jobs:
+            run, (rid,) = drive(core, {0: [job]})
+            out.append(run.tokens[rid])
+    return out

@@ -1,20 +1,22 @@
 """Random schedules (arrivals, budgets, caps, k, temperatures, cancels, switches) never
-change a stream: each equals its request decoded alone with the same seed."""
+change a stream: each equals its request decoded alone with the same seed.
+
+The schedules drive an ``EngineCore`` step by step, so an arrival or a cancel lands at an
+exact step and hypothesis can shrink and replay any failure.
+"""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from helpers import run_plain
+from helpers import Run, drive, run_plain
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from specbatch import Engine, SamplingParams
+from specbatch import EngineCore, SamplingParams
 from specbatch.config import EngineConfig
 from specbatch.fake import FakeModel
-from specbatch.machine import TRANSITIONS
+from specbatch.machine import STATES, TRANSITIONS
 from specbatch.models import LoadedModel
 
 EDGES = {f"{s}->{d}" for _, src, d, *_ in TRANSITIONS for s in (src if isinstance(src, list) else [src])}
@@ -26,8 +28,9 @@ class Schedules(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.engine = None
-        self.jobs = []
+        self.core: EngineCore | None = None
+        self.run = Run()
+        self.jobs: list[tuple[list[int], SamplingParams, str]] = []
 
     @initialize(cap=st.integers(0, 4), k=st.integers(1, 6), preempt=st.booleans(), resume=st.booleans(),
                 drafter=st.integers(0, 1), verify=st.sampled_from(["coupled", "coupled", "rejection"]))
@@ -35,50 +38,58 @@ class Schedules(RuleBasedStateMachine):
         self.cap, self.verify = cap, verify
         config = EngineConfig(num_draft_tokens=k, speculative_width_cap=cap, preempt=preempt,
                               resume=resume, rearm_min_remaining=3, verify=verify)
-        self.engine = Engine(self.target, self.drafters[drafter], config)
+        self.core = EngineCore(self.target, self.drafters[drafter], config)
 
     @rule(length=st.integers(1, 10), budget=st.integers(1, 24), temperature=st.sampled_from([0.0, 0.0, 0.8, 1.0]),
           top_p=st.sampled_from([1.0, 0.9]), seed=st.integers(0, 2**32 - 1), salt=st.integers(0, 400))
     def submit(self, length, budget, temperature, top_p, seed, salt):
         prompt = [(salt + 7 * i) % 500 + 3 for i in range(length)]
         params = SamplingParams(max_tokens=budget, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
-        self.jobs.append((prompt, params, self.engine.submit(prompt, params)))
+        self.jobs.append((prompt, params, self.core.add(prompt, params)))
 
     @rule(which=st.integers(0, 50))
     def cancel(self, which):
         if self.jobs:
-            self.engine.cancel(self.jobs[which % len(self.jobs)][2])
+            self.core.cancel(self.jobs[which % len(self.jobs)][2])
 
-    @rule(ms=st.integers(0, 15))
-    def wait(self, ms):
-        time.sleep(ms / 1000)
+    @rule(steps=st.integers(1, 8))
+    def step(self, steps):
+        for _ in range(steps):
+            self.run.see(self.core.step())
+            self.run.states.append(self.core.state)
+
+    @invariant()
+    def batched_means_within_the_cap(self):
+        if self.core is None:
+            return
+        assert self.core.state in STATES
+        if self.core.state == "Batched" and self.cap:
+            assert self.core.stats()["width"] <= self.cap  # a speculating batch never outgrows it
 
     def teardown(self):
-        if self.engine is None:
+        if self.core is None:
             return
         try:
+            drive(self.core, run=self.run)
             self.check()
         finally:
-            self.engine.close()
+            self.core.close()
 
     def check(self):
-        for prompt, params, handle in self.jobs:
-            done = handle.result(120)
-            events = list(handle)
-            finals = [e for e in events if e.finish_reason is not None]
-            assert len(finals) == 1 and events[-1] is finals[0], "finishes exactly once"
+        for prompt, params, rid in self.jobs:
+            final = self.run.finals[rid]  # finished exactly once: Run.see refuses events after it
+            got = self.run.tokens[rid]
+            assert final.completion.token_ids == got
             if self.verify == "rejection" and params.temperature > 0:
                 continue  # rejection sampling's output depends on drafts by design
             alone = run_plain(self.target, prompt, **{f: getattr(params, f) for f in
                               ("max_tokens", "temperature", "top_p", "seed", "ignore_eos")})
-            if done.finish_reason == "cancelled":
-                assert done.token_ids == alone[:len(done.token_ids)]
+            if final.finish_reason == "cancelled":
+                assert got == alone[:len(got)]
             else:
-                assert done.token_ids == alone
-        deadline = time.time() + 10
-        while self.engine.stats()["state"] != "Idle" and time.time() < deadline:
-            time.sleep(0.005)
-        stats = self.engine.stats()
+                assert got == alone
+        stats = self.core.stats()
+        assert self.core.state == "Idle" and stats["requests_finished"] == len(self.jobs)
         assert set(stats["transitions"]) <= EDGES
         if self.cap:
             assert max(stats["spec_widths"], default=0) <= self.cap
