@@ -17,13 +17,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .demo import PROMPTS
+from . import workload
 from .engine import Engine
 from .sampling import SamplingParams
 
 
 def code_prompts(tokenizer, n: int) -> list[list[int]]:
-    return [list(tokenizer.encode(PROMPTS[i % len(PROMPTS)])) for i in range(n)]
+    """The benchmark workload: chat questions and code completions (``workload``)."""
+    return workload.prompts(tokenizer, n)
 
 
 def engine_tok_s(engine, prompts, tokens: int, temperature: float = 0.0, stagger: float = 0.0) -> float:

@@ -74,7 +74,8 @@ async def poisson_load(base: str, prompts: list[str], rate: float, tokens: int, 
 
 def suite_serving(ctx) -> dict:
     from .bench_serving import _pct
-    from .demo import PROMPTS
+    from .workload import texts
+    PROMPTS = texts(ctx.target.tokenizer, 8)
     target, drafter = ctx.target.name, ctx.drafter.name
     me = [sys.executable, "-m", "specbatch.cli", "serve", "--model", target, "--draft-model", drafter,
           "--served-model-name", "default", "--speculative-width-cap", str(ctx.config.speculative_width_cap),

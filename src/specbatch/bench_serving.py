@@ -115,7 +115,8 @@ def soak(engine, tokenizer, n: int = 1000, seed: int = 0) -> dict:
     """Many requests with random lengths and cancellations; memory before and after."""
     import mlx.core as mx
 
-    from .demo import PROMPTS
+    from .workload import texts
+    PROMPTS = texts(tokenizer, 8)
     rng = random.Random(seed)
     warm = [engine.submit(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=24, seed=i)) for i in range(32)]
     for h in warm:  # the idle level is that of a warm engine (kernels, allocator pools)
