@@ -48,27 +48,6 @@ def test_openblas_preload_env():
     assert blas.preload_env({"SPECBATCH_NO_OPENBLAS": "1"}).get("LD_PRELOAD") is None or not blas.wanted()
 
 
-def test_calibration_picks_the_widest_winning_width(tmp_path, monkeypatch):
-    from specbatch import calibration
-    assert calibration.choose_cap({1: 1.6, 2: 1.3, 4: 1.02, 8: 0.8}) == 2
-    assert calibration.choose_cap({1: 0.9, 2: 0.7}) == 1
-    assert calibration.choose_cap({1: 1.5, 2: 1.4, 4: 1.2}) == 4
-    monkeypatch.setenv("SPECBATCH_CALIBRATION", str(tmp_path / "cal.json"))
-    calibration.store_cap("/m/target", "/m/drafter", 3, {"1": 1.5})
-    assert calibration.lookup_cap("/x/target", "/y/drafter") == 3
-    assert calibration.lookup_cap("/x/other", "/y/drafter") is None
-
-
-def test_calibration_finds_where_speculation_stops_paying(tmp_path, monkeypatch):
-    from specbatch import calibration
-    assert calibration.choose_max_temperature({0.0: 2.2, 0.35: 1.4, 0.7: 0.9, 1.0: 0.8}) == 0.35
-    assert calibration.choose_max_temperature({0.0: 1.5, 0.7: 1.2}) is None  # wins everywhere
-    assert calibration.choose_max_temperature({0.0: 0.9, 0.7: 1.2}) == -1.0  # not even greedy
-    monkeypatch.setenv("SPECBATCH_CALIBRATION", str(tmp_path / "cal.json"))
-    calibration.store_cap("/m/target", "/m/drafter", 2, {"1": 1.5}, 4, {"max_temperature": 0.35, "curve": {}})
-    assert calibration.lookup("/x/target", "/y/drafter", "max_temperature", float) == 0.35
-
-
 def _load_in_plain_python(folder, env_extra):
     import os
     import subprocess

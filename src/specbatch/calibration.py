@@ -1,4 +1,5 @@
-"""Calibrated width caps, keyed by model pair and machine (written by ``specbatch calibrate``)."""
+"""Calibrated draft-length schedules (and the cap they imply), keyed by model pair and machine,
+written by ``specbatch calibrate``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import platform
 import statistics
 from pathlib import Path
+
+from .schedule import Band, DraftSchedule
 
 
 def calibration_file() -> Path:
@@ -45,99 +48,79 @@ def lookup_cap(target: str, drafter: str | None) -> int | None:
     return lookup(target, drafter, "cap")
 
 
-def store_cap(target: str, drafter: str | None, cap: int, curve: dict, k: int | None = None,
-              hot: dict | None = None) -> Path:
-    """Write the entry; ``hot``: {"max_temperature": T or None, "curve": {T: ratio}}."""
+def store(target: str, drafter: str | None, schedule: DraftSchedule, measured: dict) -> Path:
+    """Write the pair's entry: the schedule, the cap and k it implies, and the tokens/s
+    each choice was made from."""
     path = calibration_file()
     table = json.loads(path.read_text()) if path.exists() else {}
-    entry = {"cap": cap, "curve": curve, **({"k": k} if k else {})}
-    if hot is not None:
-        entry.update(max_temperature=hot["max_temperature"], temperature_curve=hot["curve"])
+    entry = {"schedule": schedule.to_json(), "cap": schedule.cap(), "k": max(1, schedule.max_k()),
+             "measured_tok_s": measured}
     table.setdefault(machine_key(), {})[pair_key(target, drafter)] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1))
     return path
 
 
-def choose_cap(curve: dict[int, float], margin: float = 0.03) -> int:
-    """The widest width up to which speculation wins by ``margin`` at every width.
-
-    ``curve`` maps width -> speculative / plain tokens/s. Never below 1 (0 would mean
-    uncapped); a curve that loses at width 1 says speculation does not pay here.
-    """
-    cap = 1
-    for width in sorted(curve):
-        if curve[width] < 1.0 + margin:
-            break
-        cap = width
-    return cap
+TEMPERATURES = (0.0, 0.7, 1.0)
+DRAFT_LENGTHS = (1, 2, 3, 4, 6)
 
 
-TEMPERATURES = (0.0, 0.35, 0.7, 1.0)
+def best_k(speeds: dict[int, float], margin: float = 0.03) -> int:
+    """The draft length with the most tokens/s (``speeds[0]``: plain); it must beat plain
+    by ``margin``, else 0 (decode plain)."""
+    k = max(speeds, key=speeds.get)
+    return k if k and speeds[k] >= speeds[0] * (1 + margin) else 0
 
 
-def choose_max_temperature(curve: dict[float, float], margin: float = 0.03) -> float | None:
-    """The hottest temperature up to which speculation wins at width 1 (``curve``: T ->
-    speculative / plain). None: it wins everywhere measured; -1: not even at T = 0."""
-    best = -1.0
-    for t in sorted(curve):
-        if curve[t] < 1.0 + margin:
-            return best
-        best = t
-    return None
-
-
-def _temperature_curve(plain, spec, prompt, args) -> dict[float, float]:
+def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
+    """For each temperature and width: tokens/s plain and at each draft length (side by
+    side, medians of ``args.repeats``); the schedule takes each cell's best k. Widths past
+    two losing widths in a row are not measured (they take the last measured k, 0)."""
     from .bench import engine_tok_s
-    curve = {}
+    widths = [int(w) for w in args.widths.split(",")]
+    ks = [int(k) for k in args.draft_lengths.split(",")]
+    plain = ctx.engine(speculation=False)
+    spec = {k: ctx.engine(speculative_width_cap=0, num_draft_tokens=k, adaptive_k=False, max_spec_temperature=None,
+                          draft_schedule=None) for k in ks}
+    bands, table = [], {}
     for t in TEMPERATURES:
-        p = statistics.median(engine_tok_s(plain, prompt, args.tokens, temperature=t) for _ in range(args.repeats))
-        s = statistics.median(engine_tok_s(spec, prompt, args.tokens, temperature=t) for _ in range(args.repeats))
-        curve[t] = s / p
-        print(f"temperature {t:.2f}: speculative / plain = {curve[t]:.3f} (width 1)", flush=True)
-    return curve
+        row, losing = [], 0
+        for width in widths:
+            if losing >= 2:
+                break
+            speeds = {}
+            for _ in range(args.repeats):  # round-robin: the systems share each moment's noise
+                for k, engine in [(0, plain), *spec.items()]:
+                    speeds.setdefault(k, []).append(engine_tok_s(engine, prompts[:width], args.tokens, temperature=t))
+            speeds = {k: statistics.median(v) for k, v in speeds.items()}
+            row.append(best_k(speeds, args.margin))
+            losing = losing + 1 if row[-1] == 0 else 0
+            table[f"T={t} width={width}"] = {str(k): round(v, 2) for k, v in speeds.items()}
+            print(f"T={t:.2f} width {width:3d}: " + ", ".join(f"k={k} {v:.1f}" for k, v in speeds.items())
+                  + f" tok/s -> k={row[-1]}", flush=True)
+        row += [0] * (len(widths) - len(row))
+        bands.append(Band(t, row))
+    return DraftSchedule(widths, bands), table
 
 
 def run_calibrate(args) -> int:
-    from .bench import Context, engine_tok_s, code_prompts
+    from .bench import Context, code_prompts
     from .config import load_pair
 
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype, drafter=args.drafter,
-                                        num_draft_tokens=args.num_draft_tokens, speculative_width_cap=0)
+                                        num_draft_tokens=max(int(k) for k in args.draft_lengths.split(",")),
+                                        speculative_width_cap=0, draft_schedule=None)
     if drafter is None:
-        raise ValueError("calibration needs a drafter (the embedded pair has one)")
+        raise ValueError("calibration needs a drafter")
     widths = [int(w) for w in args.widths.split(",")]
     ctx = Context(target, drafter, config, widths, args.tokens, args.repeats)
-    plain = ctx.engine(speculation=False)
-    prompts = code_prompts(target.tokenizer, max(widths))
-    curve = {}
     try:
-        k = config.num_draft_tokens if args.num_draft_tokens else _best_k(ctx, prompts[:1], args)
-        spec = ctx.engine(speculative_width_cap=0, num_draft_tokens=k, max_spec_temperature=None)
-        temps = _temperature_curve(plain, spec, prompts[:1], args)
-        for width in widths:
-            p = statistics.median(engine_tok_s(plain, prompts[:width], args.tokens) for _ in range(args.repeats))
-            s = statistics.median(engine_tok_s(spec, prompts[:width], args.tokens) for _ in range(args.repeats))
-            curve[width] = s / p
-            print(f"width {width:3d}: speculative / plain = {curve[width]:.3f}", flush=True)
+        schedule, table = measure_schedule(ctx, code_prompts(target.tokenizer, max(widths)), args)
     finally:
         ctx.close()
-    cap = choose_cap(curve, args.margin)
-    hot = choose_max_temperature(temps, args.margin)
-    path = store_cap(target.name, drafter.name, cap, {str(w): r for w, r in curve.items()}, k,
-                     {"max_temperature": hot, "curve": {str(t): r for t, r in temps.items()}})
-    note = "" if curve.get(min(curve), 0) >= 1 + args.margin else " (speculation does not pay here: consider --no-speculation)"
-    print(f"k = {k}, cap = {cap}, speculating up to temperature {hot}{note}; written to {path} "
+    path = store(target.name, drafter.name, schedule, table)
+    print(f"schedule {schedule.to_json()}, cap = {schedule.cap()}; written to {path} "
           f"for {machine_key()} / {pair_key(target.name, drafter.name)}")
+    if schedule.max_k() == 0:
+        print("speculation does not pay for this pair here: it will decode plain")
     return 0
-
-
-def _best_k(ctx, prompt, args) -> int:
-    """The draft length that is fastest alone (width 1, temperature 0)."""
-    from .bench import engine_tok_s
-    speeds = {}
-    for k in (2, 3, 4, 5, 6):
-        engine = ctx.engine(speculative_width_cap=1, num_draft_tokens=k, max_spec_temperature=None)
-        speeds[k] = statistics.median(engine_tok_s(engine, prompt, args.tokens) for _ in range(args.repeats))
-        print(f"k {k}: {speeds[k]:.1f} tok/s alone", flush=True)
-    return max(speeds, key=speeds.get)

@@ -178,10 +178,12 @@ def _measuring_parsers(sub) -> None:
     _model_args(b)
     b.set_defaults(func=cmd_bench)
 
-    c = sub.add_parser("calibrate", help="measure the width cap for this pair on this machine")
-    c.add_argument("--widths", default="1,2,3,4,6,8")
-    c.add_argument("--tokens", type=int, default=48)
-    c.add_argument("--repeats", type=int, default=3)
+    c = sub.add_parser("calibrate", help="measure the draft length per width and temperature for this pair "
+                                         "on this machine (the schedule; its widest k > 0 is the cap)")
+    c.add_argument("--widths", default="1,2,4,8,16")
+    c.add_argument("--draft-lengths", default="1,2,3,4,6", help="draft lengths to try at each width")
+    c.add_argument("--tokens", type=int, default=32)
+    c.add_argument("--repeats", type=int, default=2)
     c.add_argument("--margin", type=float, default=0.03, help="speculation must win by this much")
     _model_args(c)
     c.set_defaults(func=cmd_calibrate)

@@ -12,6 +12,8 @@ import os
 
 import attrs
 
+from .schedule import DraftSchedule
+
 
 DEFAULT_K = 4
 DEFAULT_CAP = 2  # a separate drafter on a dense target, until calibration says otherwise
@@ -62,13 +64,26 @@ class EngineConfig:
     # requests sampled hotter than this decode plain (None: any temperature speculates);
     # calibrated: where speculation stopped paying at width 1 for the pair
     max_spec_temperature: float | None = None
+    # calibrated draft length per width and temperature band (None: num_draft_tokens
+    # wherever the cap and max_spec_temperature allow); num_draft_tokens caps it
+    draft_schedule: DraftSchedule | None = None
+
+    def draft_length(self, requests) -> int:
+        """How many tokens ``requests`` decoding together draft per round (0: plain): within
+        the cap, none hotter than ``max_spec_temperature``, then the schedule's k."""
+        width = len(requests)
+        if not width or not self.speculates_at(width):
+            return 0
+        hottest = max(r.params.temperature for r in requests)
+        if self.max_spec_temperature is not None and hottest > self.max_spec_temperature:
+            return 0
+        if self.draft_schedule is None:
+            return self.num_draft_tokens
+        return min(self.num_draft_tokens, self.draft_schedule.draft_length(width, hottest))
 
     def speculates_for(self, requests) -> bool:
-        """``requests`` decoding together speculate: within the cap, and none sampled
-        hotter than ``max_spec_temperature``."""
-        hot = self.max_spec_temperature
-        cool = hot is None or all(r.params.temperature <= hot for r in requests)
-        return cool and self.speculates_at(len(requests))
+        """``requests`` decoding together speculate: their draft length is above 0."""
+        return self.draft_length(requests) > 0
 
     def speculates_at(self, width: int) -> bool:
         """The cap is inclusive: width == cap still speculates; 0 means uncapped."""
@@ -115,12 +130,20 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
     elif draft_model is not None and speculation:
         drafter = models.load(draft_model, dtype=dtype)
         models.check_pair(target, drafter)
-    cap = env_cap()
+    from .calibration import lookup
+    schedule = None
+    if drafter is not None and "draft_schedule" not in options:
+        schedule = lookup(target.name, drafter.name, "schedule", DraftSchedule.from_json)
+        options["draft_schedule"] = schedule
+    cap = env_cap()  # the environment, then the argument, then the calibration
     if cap is None:
         cap = speculative_width_cap
-    from .calibration import lookup
+    if cap is None and schedule is not None:
+        cap = schedule.cap()
     if cap is None:
         cap = lookup(target.name, drafter.name if drafter else None, "cap")
+    if num_draft_tokens is None and schedule is not None:
+        num_draft_tokens = max(1, schedule.max_k())
     if num_draft_tokens is None and drafter is not None:
         num_draft_tokens = lookup(target.name, drafter.name, "k")
     if "max_spec_temperature" not in options and drafter is not None:

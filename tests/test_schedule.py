@@ -1,0 +1,68 @@
+"""The draft-length schedule: lookups by width and temperature band, the cap it implies,
+the calibration's choice per cell, and the engine config reading it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specbatch import calibration
+from specbatch.config import EngineConfig
+from specbatch.sampling import SamplingParams
+from specbatch.schedule import Band, DraftSchedule
+
+SCHEDULE = DraftSchedule([1, 2, 4, 8], [Band(0.0, [4, 3, 2, 0]), Band(0.7, [2, 1, 0, 0])])
+
+
+class Row:
+    def __init__(self, temperature):
+        self.params = SamplingParams(temperature=temperature)
+
+
+def test_lookup_by_width_and_band():
+    assert [SCHEDULE.draft_length(w, 0.0) for w in (1, 2, 3, 4, 7, 8, 100)] == [4, 3, 3, 2, 2, 0, 0]
+    assert [SCHEDULE.draft_length(w, 0.5) for w in (1, 2, 4)] == [2, 1, 0]  # (0, 0.7] uses the 0.7 band
+    assert SCHEDULE.draft_length(1, 0.7) == 2 and SCHEDULE.draft_length(1, 0.71) == 0  # past every band
+    assert SCHEDULE.cap() == 4 and SCHEDULE.max_k() == 4
+    assert DraftSchedule.from_json(SCHEDULE.to_json()) == SCHEDULE
+
+
+@pytest.mark.parametrize("bad", [dict(widths=[2, 4], bands=[Band(0.0, [1, 1])]),
+                                 dict(widths=[1, 1], bands=[Band(0.0, [1, 1])]),
+                                 dict(widths=[1, 2], bands=[Band(0.0, [1])]),
+                                 dict(widths=[1], bands=[Band(0.7, [1]), Band(0.0, [1])])])
+def test_malformed_schedules_are_refused(bad):
+    with pytest.raises(ValueError):
+        DraftSchedule(**bad)
+    with pytest.raises(ValueError):
+        Band(0.0, [-1])
+
+
+@given(st.lists(st.integers(0, 6), min_size=4, max_size=4), st.integers(1, 40), st.floats(0, 2))
+def test_config_draft_length_follows_schedule_and_cap(ks, width, temperature):
+    schedule = DraftSchedule([1, 2, 4, 8], [Band(1.0, ks)])
+    config = EngineConfig(speculative_width_cap=0, num_draft_tokens=6, draft_schedule=schedule)
+    rows = [Row(temperature)] * width
+    assert config.draft_length(rows) == schedule.draft_length(width, temperature)
+    assert config.speculates_for(rows) == (config.draft_length(rows) > 0)
+    capped = EngineConfig(speculative_width_cap=2, num_draft_tokens=3, draft_schedule=schedule)
+    k = capped.draft_length(rows)
+    assert k <= 3 and (width <= 2 or k == 0)  # an explicit cap and num_draft_tokens still win
+
+
+def test_without_a_schedule_the_cap_and_hot_limit_decide():
+    config = EngineConfig(speculative_width_cap=2, num_draft_tokens=5, max_spec_temperature=0.5)
+    assert config.draft_length([Row(0.0)] * 2) == 5 and config.draft_length([Row(0.0)] * 3) == 0
+    assert config.draft_length([Row(0.0), Row(0.9)]) == 0
+    assert EngineConfig(speculation=False).draft_length([Row(0.0)]) == 0
+
+
+def test_calibration_picks_each_cell_and_stores_the_schedule(tmp_path, monkeypatch):
+    assert calibration.best_k({0: 10.0, 1: 12.0, 2: 14.0, 4: 13.0}) == 2
+    assert calibration.best_k({0: 10.0, 1: 10.2, 2: 9.0}) == 0  # within the margin: plain
+    monkeypatch.setenv("SPECBATCH_CALIBRATION", str(tmp_path / "cal.json"))
+    calibration.store("/m/target.gguf", "ngram", SCHEDULE, {})
+    assert calibration.lookup("/x/target.gguf", "ngram", "schedule", DraftSchedule.from_json) == SCHEDULE
+    assert calibration.lookup_cap("/x/target.gguf", "ngram") == 4
+    assert calibration.lookup("/x/other.gguf", "ngram", "schedule", DraftSchedule.from_json) is None
