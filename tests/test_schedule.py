@@ -66,3 +66,23 @@ def test_calibration_picks_each_cell_and_stores_the_schedule(tmp_path, monkeypat
     assert calibration.lookup("/x/target.gguf", "ngram", "schedule", DraftSchedule.from_json) == SCHEDULE
     assert calibration.lookup_cap("/x/target.gguf", "ngram") == 4
     assert calibration.lookup("/x/other.gguf", "ngram", "schedule", DraftSchedule.from_json) is None
+
+
+def test_engine_drafts_what_the_schedule_says_at_each_width(tiny):
+    from helpers import drive, plain_streams
+
+    from specbatch.core import EngineCore
+    schedule = DraftSchedule([1, 2], [Band(1.0, [3, 1])])
+    config = EngineConfig(speculative_width_cap=0, num_draft_tokens=6, draft_schedule=schedule, adaptive_k=False)
+    jobs = [(p, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)) for p in ("def f(x):", "x = 1")]
+    with EngineCore(tiny, tiny, config) as core:
+        run, ids = drive(core, {0: jobs[:1]})
+        alone = core.stats()
+        assert alone["spec_rounds"] > 0 and alone["drafted_tokens"] <= 3 * alone["spec_rounds"]
+        assert alone["drafted_tokens"] > 2 * alone["spec_rounds"]  # k = 3 but for the budget's tail
+    with EngineCore(tiny, tiny, config) as core:
+        both, both_ids = drive(core, {0: jobs})
+        stats = core.stats()
+        assert stats["spec_widths"] == {2: stats["spec_rounds"]}
+        assert stats["drafted_tokens"] == sum(stats["acceptance_histogram"].values())  # one per row-round
+    assert [run.tokens[ids[0]]] + [both.tokens[i] for i in both_ids[1:]] == plain_streams(tiny, jobs)

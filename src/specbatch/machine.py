@@ -123,6 +123,7 @@ class SpecMachine:
         request = self.waiting.popleft()
         self.scalar = ScalarLoop(self.runner, self._drafter(batch=False), request,
                                  self.config.num_draft_tokens, self.config.verify, self.config.adaptive_k)
+        self.scalar.limit_draft(self.config.draft_length([request]))
         cache, reused = self.prompt_cache.lookup(request.prompt)
         self.scalar.start(cache)
         log.info("admit", reused=reused, request=request.id, loop="scalar", prompt_tokens=len(request.prompt))
@@ -190,6 +191,7 @@ class SpecMachine:
             self._capture()
             return
         requests = [r.request for r in self.batch.rows]
+        self.batch.limit_draft(self.config.draft_length(requests))  # the schedule's k at this width
         result = self.batch.spec_round()
         self.stats.rounds += 1
         if result is not None:

@@ -136,6 +136,11 @@ class BatchLoop:
             self.drafter.reset()
         self.armed = False
 
+    def limit_draft(self, k: int) -> None:
+        """Draft at most ``k`` per round from now on (the schedule's k at this width; 0:
+        plain rounds). Adaptive rounds keep their current length where it is smaller."""
+        self.k, self.k_now = k, (min(self.k_now, k) if self.adaptive else k)
+
     def spec_round(self) -> RoundResult | None:
         """One armed round: draft, verify, accept, emit per row, roll back per row."""
         assert self.settled and self.armed

@@ -52,6 +52,11 @@ class ScalarLoop:
         self.pending = self.prev = -1
         self.last_round: RoundResult | None = None
 
+    def limit_draft(self, k: int) -> None:
+        """Draft at most ``k`` per round from now on (the schedule's k at this width; 0:
+        plain rounds). Adaptive rounds keep their current length where it is smaller."""
+        self.k, self.k_now = k, (min(self.k_now, k) if self.adaptive else k)
+
     def start(self, cache: list | None = None) -> None:
         """Prefill, emit the first token, and prefill the drafter's copy of the history."""
         if cache is not None:
