@@ -3,7 +3,6 @@ they submit, then await events through the engine's asyncio stream."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 import uuid
@@ -17,35 +16,10 @@ from starlette.routing import Route
 
 from ..errors import EngineClosed, InvalidRequest, QueueFull
 from .metrics import render_metrics
-from .schemas import APIError, Parsed, parse_chat, parse_completion
+from .guard import Guard, error_response
+from .schemas import APIError, Parsed, load_json, parse_chat, parse_completion
 
 log = structlog.get_logger(__name__)
-
-
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-class Guard:
-    """ASGI middleware: body-size limit and bearer-key check, before any handler runs."""
-
-    def __init__(self, app, api_key: str | None = None, max_body: int = 1 << 20):
-        self.app, self.api_key, self.max_body = app, api_key, max_body
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
-        if self.api_key and scope["path"] != "/health":
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                err = APIError(401, "invalid or missing API key", None, "invalid_api_key", "authentication_error")
-                return await error_response(err)(scope, receive, send)
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            err = APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
-            return await error_response(err)(scope, receive, send)
-        return await self.app(scope, receive, send)
 
 
 class API:
@@ -59,10 +33,7 @@ class API:
         raw = await request.body()
         if len(raw) > self.max_body:
             raise APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"malformed JSON: {exc}", None, "invalid_json") from None
+        return load_json(raw)
 
     def prepare(self, parsed: Parsed):
         """Validate fully before any byte is sent: the model, the prompt, the queue."""

@@ -1,10 +1,20 @@
-"""OpenAI request bodies -> (prompt, SamplingParams, options); errors in the OpenAI envelope."""
+"""OpenAI request bodies -> (prompt, SamplingParams, options); errors in the OpenAI envelope.
+
+Every value a client sends is checked here, before the engine sees it: a bad one is a 400
+naming the parameter, never a 500 from deeper down (an out-of-range ``top_k`` once
+reached ``mx.array`` as an int64 it could not cast).
+"""
 
 from __future__ import annotations
 
+import json
+import math
+
 import attrs
 
-from ..sampling import SamplingParams
+from ..sampling import INT32_MAX, SamplingParams
+
+INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 class APIError(Exception):
@@ -27,6 +37,21 @@ class Parsed:
     stream: bool
     include_usage: bool
     model: str | None
+    max_tokens_param: str | None  # the key the client set the budget with; None: the default
+
+
+def load_json(raw: bytes):
+    """The body as JSON; nesting too deep or integers too long are a 400, not a crash."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "malformed JSON: nested too deeply", None, "invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, and ints past Python's digit limit
+        if "integer string conversion" not in str(exc):
+            raise APIError(400, f"malformed JSON: {exc}", None, "invalid_json") from None
+    # An integer of thousands of digits: stand in 2**64 (past any 64-bit range), so the range
+    # check of whichever parameter holds it names that parameter.
+    return json.loads(raw, parse_int=lambda s: int(s) if len(s) < 100 else (-1 if s[0] == "-" else 1) << 64)
 
 
 def _typed(body: dict, name: str, types, default=None, required: bool = False):
@@ -44,24 +69,47 @@ def _tuple(types):
     return types if isinstance(types, tuple) else (types,)
 
 
-def _sampling(body: dict) -> SamplingParams:
-    max_tokens = _typed(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _typed(body, "max_tokens", int, 256)
-    n = _typed(body, "n", int, 1)
-    if n != 1:
-        raise APIError(400, "only n = 1 is supported", "n", "unsupported_value")
-    stop = _typed(body, "stop", (str, list), ())
-    fields = dict(max_tokens=max_tokens, temperature=_typed(body, "temperature", (int, float), 1.0),
-                  top_p=_typed(body, "top_p", (int, float), 1.0), top_k=_typed(body, "top_k", int, 0),
-                  seed=_typed(body, "seed", int), stop=stop)
+def _int(body: dict, name: str, default: int | None, lo: int = INT64[0], hi: int = INT64[1]) -> int | None:
+    value = _typed(body, name, int, default)
+    if value is not None and not lo <= value <= hi:
+        raise APIError(400, f"'{name}' must be an integer in [{lo}, {hi}], got {value}", name, "invalid_value")
+    return value
+
+
+def _float(body: dict, name: str, default: float, lo: float, hi: float = math.inf) -> float:
+    value = _typed(body, name, (int, float), default)
     try:
-        return SamplingParams(**fields)
+        number = float(value)
+    except OverflowError:  # an int past float range
+        number = math.inf
+    if not (math.isfinite(number) and lo <= number <= hi):  # NaN fails every comparison: test it first
+        bound = f"[{lo}, {hi}]" if math.isfinite(hi) else f">= {lo}"
+        raise APIError(400, f"'{name}' must be a finite number {bound}, got {value}", name, "invalid_value")
+    return value
+
+
+def _max_tokens(body: dict) -> tuple[int, str | None]:
+    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins, as OpenAI's
+        value = _int(body, name, None, 1)
+        if value is not None:
+            return value, name
+    return SamplingParams().max_tokens, None
+
+
+def _sampling(body: dict) -> tuple[SamplingParams, str | None]:
+    max_tokens, max_param = _max_tokens(body)
+    if _int(body, "n", 1) != 1:
+        raise APIError(400, "only n = 1 is supported", "n", "unsupported_value")
+    top_k = _int(body, "top_k", 0, -1, INT32_MAX)
+    fields = dict(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0),
+                  top_p=_float(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0),  # -1: vLLM's "off"
+                  seed=_int(body, "seed", None), stop=_typed(body, "stop", (str, list), ()),
+                  ignore_eos=_typed(body, "ignore_eos", bool, False))
+    try:
+        return SamplingParams(**fields), max_param
     except (TypeError, ValueError) as exc:
         param = next((f for f in fields if f in str(exc)), None)
-        if param == "max_tokens" and "max_completion_tokens" in body:
-            param = "max_completion_tokens"
-        raise APIError(400, str(exc), param, "invalid_value") from None
+        raise APIError(400, str(exc), max_param if param == "max_tokens" else param, "invalid_value") from None
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -71,6 +119,12 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
     if not isinstance(include, bool):
         raise APIError(400, "'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type")
     return stream, include
+
+
+def _parsed(body: dict, prompt) -> Parsed:
+    stream, include = _stream_options(body)
+    params, max_param = _sampling(body)
+    return Parsed(prompt, params, stream, include, _typed(body, "model", str), max_param)
 
 
 def parse_completion(body) -> Parsed:
@@ -84,8 +138,7 @@ def parse_completion(body) -> Parsed:
             raise APIError(400, "'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
     if not prompt:
         raise APIError(400, "'prompt' must not be empty", "prompt", "invalid_value")
-    stream, include = _stream_options(body)
-    return Parsed(prompt, _sampling(body), stream, include, _typed(body, "model", str))
+    return _parsed(body, prompt)
 
 
 def parse_chat(body, tokenizer) -> Parsed:
@@ -101,5 +154,4 @@ def parse_chat(body, tokenizer) -> Parsed:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:
         raise APIError(400, f"could not apply the chat template: {exc}", "messages", "invalid_value") from None
-    stream, include = _stream_options(body)
-    return Parsed(prompt, _sampling(body), stream, include, _typed(body, "model", str))
+    return _parsed(body, prompt)
