@@ -188,3 +188,46 @@ def test_failure_after_streaming_started_sends_an_error_event(model_dir):
     finally:
         served.close()
 
+
+def test_created_is_per_response_ids_unique_fingerprint_stable(spec_server, monkeypatch):
+    import types
+
+    import attrs
+
+    from specbatch.server import app as app_module
+    c = spec_server.client
+    later = 4102444800  # 2100-01-01: no server started then, so "created" cannot be its start time
+    monkeypatch.setattr(app_module, "time", types.SimpleNamespace(time=lambda: later + 0.5))
+    outs = [c.completions.create(model="tiny", prompt="def f(x):", max_tokens=3, seed=1) for _ in range(3)]
+    chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=3, seed=1, stream=True))
+    assert {o.created for o in outs} == {later} and {ch.created for ch in chunks} == {later}
+    assert len({o.id for o in outs} | {chunks[0].id}) == 4 and {ch.id for ch in chunks} == {chunks[0].id}
+    prints = {o.system_fingerprint for o in outs} | {ch.system_fingerprint for ch in chunks}
+    engine = spec_server.engine
+    same = types.SimpleNamespace(target=engine.target, drafter=engine.drafter, config=attrs.evolve(engine.config))
+    other = types.SimpleNamespace(target=engine.target, drafter=engine.drafter,
+                                  config=attrs.evolve(engine.config, num_draft_tokens=5))
+    assert prints == {app_module.fingerprint(same)} and app_module.fingerprint(other) not in prints
+
+
+def test_the_served_name_and_the_model_path_are_accepted(spec_server):
+    for model in ("tiny", spec_server.engine.target.name):
+        r = httpx.post(f"{spec_server.url}/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200, (model, r.text)
+    r = httpx.post(f"{spec_server.url}/v1/chat/completions",
+                   json={"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_max_tokens_past_the_context_is_400_stating_the_room(spec_server):
+    url, prompt = f"{spec_server.url}/v1/completions", [7] * 2000  # 2,048-token context: room for 48
+    for key in ("max_tokens", "max_completion_tokens"):
+        r = httpx.post(url, json={"prompt": prompt, key: 49})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == key and err["code"] == "context_length_exceeded"
+        assert "room for 48" in err["message"]
+    fits = httpx.post(url, json={"prompt": prompt, "max_tokens": 48, "temperature": 0}, timeout=60)
+    assert fits.status_code == 200
+    unasked = httpx.post(url, json={"prompt": prompt, "temperature": 0}, timeout=60)  # the default budget: clamped
+    assert unasked.status_code == 200 and unasked.json()["usage"]["completion_tokens"] <= 48

@@ -52,6 +52,7 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", _raw(max_tokens='"9"'), 400, "max_tokens"),
     ("/v1/completions", _raw(max_tokens=2 ** 64), 400, "max_tokens"),
     ("/v1/completions", _raw(max_tokens="9" * 5000), 400, "max_tokens"),
+    ("/v1/completions", _raw(max_tokens=5000), 400, "max_tokens"),
     ("/v1/completions", _raw(max_completion_tokens=-3), 400, "max_completion_tokens"),
     ("/v1/completions", _raw(temperature=-1), 400, "temperature"),
     ("/v1/completions", _raw(temperature="NaN"), 400, "temperature"),

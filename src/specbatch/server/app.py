@@ -1,25 +1,40 @@
 """The OpenAI-compatible ASGI app (Starlette). Handlers never block the engine thread:
-they submit, then await events through the engine's asyncio stream."""
+they submit, then await events through the engine's asyncio stream, racing them against
+the request's ``Watch`` (its client leaving, or the shutdown drain cutting it)."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import time
 import uuid
 
+import attrs
 import structlog
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..errors import EngineClosed, InvalidRequest, QueueFull
-from .metrics import render_metrics
+from .drain import Drain, until_done_or_stopped
 from .guard import Guard, error_response
+from .metrics import render_metrics
 from .schemas import APIError, Parsed, load_json, parse_chat, parse_completion
+from .stream import SHUTTING_DOWN, EventStream, Reply, sse, usage_of
 
 log = structlog.get_logger(__name__)
+
+
+def fingerprint(engine) -> str:
+    """``system_fingerprint``: the same for the same model pair and engine configuration, so
+    a client can tell when a seeded request may decode differently."""
+    drafter = engine.drafter
+    pair = {"target": engine.target.name, "drafter": getattr(drafter, "name", type(drafter).__name__),
+            "config": attrs.asdict(engine.config)}
+    return "fp_" + hashlib.sha256(json.dumps(pair, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 class API:
@@ -27,7 +42,11 @@ class API:
 
     def __init__(self, engine, name: str, max_body: int):
         self.engine, self.name, self.max_body = engine, name, max_body
-        self.created = int(time.time())
+        path = str(engine.target.name)
+        self.names = {name, path, path.rstrip("/")}  # the served name and the model's path
+        self.created = int(time.time())  # the model's "created" in /v1/models: when it was loaded
+        self.fingerprint = fingerprint(engine)
+        self.drain = Drain()
 
     async def read_json(self, request: Request):
         raw = await request.body()
@@ -36,12 +55,12 @@ class API:
         return load_json(raw)
 
     def prepare(self, parsed: Parsed):
-        """Validate fully before any byte is sent: the model, the prompt, the queue."""
-        if parsed.model is not None and parsed.model != self.name:
-            raise APIError(404, f"model {parsed.model!r} not found; this server serves {self.name!r}",
+        """Validate fully before any byte is sent: the model, the prompt, the budget, the queue."""
+        if parsed.model is not None and parsed.model not in self.names:
+            raise APIError(404, f"The model {parsed.model!r} does not exist; this server serves {self.name!r}",
                            "model", "model_not_found")
         try:
-            return self.engine.prepare(parsed.prompt, parsed.params)
+            req = self.engine.prepare(parsed.prompt, parsed.params)
         except InvalidRequest as exc:
             raise APIError(400, exc.message, exc.param, exc.code or "invalid_value") from None
         except (ValueError, TypeError) as exc:
@@ -50,32 +69,61 @@ class API:
             raise APIError(503, str(exc), None, "queue_full", "server_error", {"Retry-After": "1"}) from None
         except EngineClosed as exc:
             raise APIError(503, str(exc), None, "shutting_down", "server_error", {"Retry-After": "5"}) from None
+        self.check_room(parsed, req)
+        return req
+
+    def check_room(self, parsed: Parsed, req) -> None:
+        """An explicit budget past the context is a 400 stating the room, as vLLM answers (the
+        engine clamps it; the default budget is still clamped quietly)."""
+        asked = parsed.params.max_tokens
+        if parsed.max_tokens_param is None or req.params.max_tokens >= asked:
+            return
+        context, prompt = self.engine.target.context_length, len(req.prompt)
+        raise APIError(400, f"'{parsed.max_tokens_param}' is too large: {asked}. This model's maximum context "
+                            f"length is {context} tokens and your request has {prompt} input tokens, which "
+                            f"leaves room for {context - prompt} ({asked} > {context} - {prompt})",
+                       parsed.max_tokens_param, "context_length_exceeded")
 
     async def generate(self, request: Request, chat: bool):
         try:
             body = await self.read_json(request)
             parsed = parse_chat(body, self.engine.tokenizer) if chat else parse_completion(body)
             req = self.prepare(parsed)
+            watch = self.drain.open()
         except APIError as err:
             return error_response(err)
-        kind = "chat.completion" if chat else "text_completion"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, self.name, int(time.time()),
+                      self.fingerprint, parsed.include_usage)
         events = self.engine.stream_request(req)
+
+        async def close():  # whatever ended the response: the engine stops its work, the drain forgets it
+            await events.aclose()
+            if not req.handle.done:
+                self.engine.cancel(req.handle)
+                log.info("request_abandoned", request=req.id, reason=watch.reason or "handler_ended")
+            self.drain.close(watch)
+
+        headers = {"x-request-seed": str(req.params.seed)}  # replays an unseeded request exactly
         if parsed.stream:
-            sse = _sse(events, rid, kind, self.name, self.created, chat, parsed.include_usage, req)
-            return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, finish, error = [], None, None
-        async for event in events:
-            text.append(event.text)
-            finish, error = event.finish_reason, event.error
+            return EventStream(sse(events, reply, req.handle), watch, close, headers)
+        listener = asyncio.ensure_future(watch.listen(request.receive))
+        try:
+            outcome = await until_done_or_stopped(_collect(events), watch)
+        finally:
+            listener.cancel()
+            await close()
+        return self.whole(reply, req, outcome, watch.reason, headers)
+
+    def whole(self, reply: Reply, req, outcome, stopped: str | None, headers: dict) -> Response:
+        if outcome is None:  # cut by the drain, or nobody is left to read it
+            return error_response(SHUTTING_DOWN) if stopped == "shutdown" else Response(status_code=499)
+        text, finish, error = outcome
         if finish == "error":
-            return error_response(APIError(500, error or "generation failed", None, "generation_failed", "server_error"))
+            return error_response(APIError(500, error or "generation failed", None, "generation_failed",
+                                           "server_error"))
         done = req.handle.result(0)  # complete before its last event was pushed: never blocks
         finish = "stop" if finish == "cancelled" else finish
-        choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
-                  if chat else {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish})
-        return JSONResponse({"id": rid, "object": kind, "created": self.created, "model": self.name,
-                             "choices": [choice], "usage": _usage(done), "system_fingerprint": f"seed-{done.seed}"})
+        return JSONResponse(reply.whole(text, finish, usage_of(done)), headers=headers)
 
     async def completions(self, request: Request):
         return await self.generate(request, chat=False)
@@ -103,50 +151,22 @@ class API:
         return error_response(APIError(500, "internal server error", None, "internal_error", "server_error"))
 
 
+async def _collect(events) -> tuple[str, str | None, str | None]:
+    text, finish, error = [], None, None
+    async for event in events:
+        text.append(event.text)
+        finish, error = event.finish_reason, event.error
+    return "".join(text), finish, error
+
+
 def create_app(engine, model_name: str | None = None, api_key: str | None = None,
                max_body: int = 1 << 20) -> Starlette:
+    """The app; ``app.state.drain`` is its live requests (``serve`` drains them on SIGTERM)."""
     api = API(engine, model_name or engine.target.name.rstrip("/").split("/")[-1], max_body)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models), Route("/health", api.health), Route("/metrics", api.metrics)]
-    return Starlette(routes=routes, middleware=[Middleware(Guard, api_key=api_key, max_body=max_body)],
-                     exception_handlers={404: api.not_found, 405: api.not_found, Exception: api.server_error})
-
-
-def _usage(done) -> dict:
-    return {"prompt_tokens": done.usage.prompt_tokens, "completion_tokens": done.usage.completion_tokens,
-            "total_tokens": done.usage.total_tokens}
-
-
-async def _sse(events, rid, kind, name, created, chat, include_usage, req):
-    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(delta_text, finish):
-        choice = ({"index": 0, "delta": {"content": delta_text} if delta_text or not finish else {},
-                   "finish_reason": finish} if chat else
-                  {"index": 0, "text": delta_text, "logprobs": None, "finish_reason": finish})
-        return {"id": rid, "object": chunk_kind, "created": created, "model": name, "choices": [choice]}
-
-    if chat:
-        first = chunk("", None)
-        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        yield _data(first)
-    async for event in events:
-        if event.finish_reason == "error":
-            yield _data(APIError(500, event.error or "generation failed", None, "generation_failed",
-                                 "server_error").body())
-            break
-        finish = event.finish_reason
-        if finish == "cancelled":
-            break
-        if event.text or finish:
-            yield _data(chunk(event.text, finish))
-    if include_usage:
-        usage = _usage(req.handle.result(0))  # complete before its last event was pushed
-        yield _data({"id": rid, "object": chunk_kind, "created": created, "model": name, "choices": [], "usage": usage})
-    yield "data: [DONE]\n\n"
-
-
-def _data(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
+    app = Starlette(routes=routes, middleware=[Middleware(Guard, api_key=api_key, max_body=max_body)],
+                    exception_handlers={404: api.not_found, 405: api.not_found, Exception: api.server_error})
+    app.state.drain = api.drain
+    return app
