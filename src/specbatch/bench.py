@@ -27,6 +27,26 @@ def code_prompts(tokenizer, n: int) -> list[list[int]]:
     return workload.prompts(tokenizer, n)
 
 
+def mlx_lm_folder(name: str):
+    """A folder mlx-lm opens at the precision we run: a GGUF's fp32 conversion."""
+    from pathlib import Path as _Path
+    if str(name).lower().endswith(".gguf"):
+        from .gguf import cached_folder
+        return cached_folder(_Path(name), dequantize=True)
+    return name
+
+
+def drafter_args(drafter) -> list[str]:
+    """The ``specbatch serve`` flags that load ``drafter`` (a model, an MTP head, prompt lookup)."""
+    from .drafters.ngram import NGramSource
+    if drafter is None:
+        return ["--no-speculation"]
+    if isinstance(drafter, NGramSource):
+        return ["--drafter", "ngram"]
+    kind = "model" if hasattr(drafter, "model") else "mtp"
+    return ["--drafter", kind, "--draft-model", str(drafter.name)]
+
+
 def engine_tok_s(engine, prompts, tokens: int, temperature: float = 0.0, stagger: float = 0.0) -> float:
     """Tokens/s of ``engine`` decoding ``tokens`` per prompt (wall time, prefill included)."""
     t0 = time.perf_counter()

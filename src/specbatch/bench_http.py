@@ -76,13 +76,16 @@ def suite_serving(ctx) -> dict:
     from .bench_serving import _pct
     from .workload import texts
     PROMPTS = texts(ctx.target.tokenizer, 8)
-    target, drafter = ctx.target.name, ctx.drafter.name
-    me = [sys.executable, "-m", "specbatch.cli", "serve", "--model", target, "--draft-model", drafter,
-          "--served-model-name", "default", "--speculative-width-cap", str(ctx.config.speculative_width_cap),
-          "--num-draft-tokens", str(ctx.k)]
-    mlx = [sys.executable, "-m", "mlx_lm.server", "--model", target]
-    systems = {"specbatch": me, "mlx_lm_draft": mlx + ["--draft-model", drafter, "--num-draft-tokens", str(ctx.k)],
-               "mlx_lm": mlx}
+    from .bench import drafter_args, mlx_lm_folder
+    target = ctx.target.name
+    # the engine's own calibrated schedule and cap: no --num-draft-tokens / cap override
+    me = [sys.executable, "-m", "specbatch.cli", "serve", "--model", target, *drafter_args(ctx.drafter),
+          "--served-model-name", "default"]
+    mlx = [sys.executable, "-m", "mlx_lm.server", "--model", str(mlx_lm_folder(target))]
+    systems = {"specbatch": me, "mlx_lm": mlx}
+    if hasattr(ctx.drafter, "model"):  # mlx-lm speculates only with a separate draft model
+        systems["mlx_lm_draft"] = mlx + ["--draft-model", str(mlx_lm_folder(ctx.drafter.name)),
+                                         "--num-draft-tokens", str(ctx.k)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(ctx.serving_requests)]
     rows = []
     for name, cmd in systems.items():
@@ -101,9 +104,8 @@ def suite_serving(ctx) -> dict:
             proc.terminate()
             proc.wait(30)
     by = {(r["system"], r["rate"]): r for r in rows}
-    ratios = {label: {"over_mlx_lm_draft": by[("specbatch", label)]["tok_s"] / by[("mlx_lm_draft", label)]["tok_s"],
-                      "over_mlx_lm": by[("specbatch", label)]["tok_s"] / by[("mlx_lm", label)]["tok_s"]}
-              for label in ctx.rates}
+    ratios = {label: {f"over_{other}": by[("specbatch", label)]["tok_s"] / by[(other, label)]["tok_s"]
+                      for other in systems if other != "specbatch"} for label in ctx.rates}
     return {"rows": rows, "throughput_ratios": ratios}
 
 

@@ -180,11 +180,15 @@ def suite_drafters(ctx) -> dict:
     from .engine import Engine
     from .models import ModelNotFound, demo_pair, load, load_mtp_head
     pair = demo_pair() if ctx.target.name == str(demo_pair()["target"]) else None
-    drafters = {"model": ctx.drafter if hasattr(ctx.drafter, "model") else load(pair["drafter"])}
+    drafters = {}
+    try:
+        drafters["model"] = ctx.drafter if hasattr(ctx.drafter, "model") else load(pair["drafter"])
+    except (ModelNotFound, TypeError) as exc:
+        print(f"drafters: no draft model ({exc})")
     try:
         drafters["mtp"] = load_mtp_head(pair["mtp"] if pair else None, ctx.target)
     except ModelNotFound as exc:
-        print(f"drafters: no MTP head, comparing the draft model alone ({exc})")
+        print(f"drafters: no MTP head ({exc})")
     from .drafters.ngram import NGramSource
     drafters["ngram"] = NGramSource(ctx.target.vocab_size)
     prompts = code_prompts(ctx.target.tokenizer, 4)
