@@ -176,3 +176,16 @@ def test_from_pretrained_takes_the_engines_arguments(model_dir):
         assert run.path == ["Scalar", "Idle"] and len(run.tokens[rid]) == 6
     off = EngineCore.from_pretrained(str(model_dir["llama"]), speculation=False)
     assert off.drafter is None and off.close() == []
+
+
+def test_max_model_len_bounds_prompt_and_budget(tiny):
+    with EngineCore(tiny, None, EngineConfig(speculation=False, max_model_len=40)) as core:
+        assert core.context_length == 40 < tiny.context_length
+        with pytest.raises(InvalidRequest, match="prompt has 40 tokens; --max-model-len is 40") as info:
+            core.add([5] * 40)
+        assert info.value.code == "context_length_exceeded"
+        rid = core.add([5] * 30, greedy(50))  # 10 tokens of room left
+        run, _ = drive(core)
+        assert len(run.tokens[rid]) == 10 and run.finals[rid].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineConfig(max_model_len=0)

@@ -23,6 +23,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None,
                    help="float32 | float16 | bfloat16 | quantized (keep a checkpoint's quantized weights) | auto "
                         "(fp32 on CPU, the checkpoint's own on a GPU)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion served, tokens (default: the model's context)")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -39,7 +41,8 @@ def _engine(args, **options):
     """The engine (rank 0 / single process), or None on a follower rank once it is done."""
     from . import Engine
     options = dict(options, speculation=not args.no_speculation, speculative_width_cap=args.speculative_width_cap,
-                   num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, drafter=args.drafter)
+                   num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, drafter=args.drafter,
+                   **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
     if not getattr(args, "distributed", False):
         return Engine.from_pretrained(args.model, args.draft_model, **options)
     from .dist import sharded_engine

@@ -67,6 +67,9 @@ class EngineConfig:
     # calibrated draft length per width and temperature band (None: num_draft_tokens
     # wherever the cap and max_spec_temperature allow); num_draft_tokens caps it
     draft_schedule: DraftSchedule | None = None
+    # the longest prompt + completion served (None: the model's context); a longer prompt
+    # is refused naming both lengths, a longer budget is clamped to the room left
+    max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
 
     def draft_length(self, requests) -> int:
         """How many tokens ``requests`` decoding together draft per round (0: plain): within

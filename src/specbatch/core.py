@@ -148,17 +148,26 @@ class EngineCore:
         ids = self.encode(prompt)
         if not ids:
             raise InvalidRequest("prompt must not be empty", "prompt")
-        room = self.target.context_length - len(ids)
+        room = self.context_length - len(ids)
         if room < 1:
+            limit = ("--max-model-len" if self.context_length < self.target.context_length
+                     else "the model's context")
             raise InvalidRequest(
-                f"prompt has {len(ids)} tokens; the model's context is "
-                f"{self.target.context_length}", "prompt", "context_length_exceeded")
+                f"prompt has {len(ids)} tokens; {limit} is {self.context_length} tokens, so no "
+                "token could be generated", "prompt", "context_length_exceeded")
         params = params.with_seed()
         if params.max_tokens > room:  # a prompt may fill the context up to the limit
             params = attrs.evolve(params, max_tokens=room)
         if in_transit + len(self._arrivals) + len(self.runner.waiting) >= self.config.max_queue:
             raise QueueFull(f"{self.config.max_queue} requests are already waiting")
         return Request.create(ids, params, self.tokenizer)
+
+    @property
+    def context_length(self) -> int:
+        """Prompt + completion tokens a request may hold: the model's context, or
+        ``max_model_len`` where that is shorter."""
+        limit = self.config.max_model_len
+        return min(self.target.context_length, limit) if limit else self.target.context_length
 
     def add(self, prompt, params: SamplingParams | dict | None = None) -> str:
         """Validate and queue a request for the next step; its id names its events."""

@@ -89,6 +89,10 @@ class Engine:
         return self.core.failure
 
     # -- caller side ------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        return self.core.context_length
+
     def encode(self, prompt: str | Iterable[int]) -> list[int]:
         return self.core.encode(prompt)
 
