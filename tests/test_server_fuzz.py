@@ -85,6 +85,8 @@ BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image"}]}]}', 400, "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', 400, "messages"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}]}', 400, "messages"),
+    ("/v1/completions", _raw(prompt=r'"\udfff"'), 400, "prompt"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400,
      "temperature"),
 ]
@@ -117,7 +119,8 @@ LEAVES = (st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floa
           | st.sampled_from([0, 1, -1, 2 ** 31, 2 ** 63, 2 ** 64, "tiny", "x", "user"]))
 BODIES = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.sampled_from(KEYS) | st.text(max_size=5), inner, max_size=6), max_leaves=12)
-BASES = st.sampled_from([{"prompt": "x", "max_tokens": 2}, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}, {}])
+BASES = st.sampled_from([{"prompt": "x", "max_tokens": 2}, {}, {"messages": [{"role": "user", "content": "x"}],
+                                                                 "max_tokens": 2}])
 # a valid base with fuzzed fields over it reaches every field's check, not just the first
 REQUESTS = st.builds(lambda base, extra: {**base, **extra}, BASES,
                      st.dictionaries(st.sampled_from(KEYS), BODIES, max_size=4)) | BODIES

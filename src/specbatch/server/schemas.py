@@ -69,6 +69,15 @@ def _tuple(types):
     return types if isinstance(types, tuple) else (types,)
 
 
+def _unicode(text: str, param: str) -> None:
+    """JSON escapes can spell a lone surrogate, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"'{param}' holds a lone surrogate (\\ud800-\\udfff): not valid Unicode text",
+                       param, "invalid_value") from None
+
+
 def _int(body: dict, name: str, default: int | None, lo: int = INT64[0], hi: int = INT64[1]) -> int | None:
     value = _typed(body, name, int, default)
     if value is not None and not lo <= value <= hi:
@@ -138,6 +147,8 @@ def parse_completion(body) -> Parsed:
             raise APIError(400, "'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
     if not prompt:
         raise APIError(400, "'prompt' must not be empty", "prompt", "invalid_value")
+    if isinstance(prompt, str):
+        _unicode(prompt, "prompt")
     return _parsed(body, prompt)
 
 
@@ -150,6 +161,7 @@ def parse_chat(body, tokenizer) -> Parsed:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise APIError(400, "each message needs a string 'role' and a string 'content'", "messages", "invalid_type")
+        _unicode(m["role"] + m["content"], "messages")
     try:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:
