@@ -66,6 +66,27 @@ def test_a_gone_client_is_cancelled_and_freed_within_one_round(model_dir, stream
         served.close()
 
 
+def test_a_gone_client_still_waiting_for_admission_is_cancelled(model_dir):
+    from specbatch.models import load
+    engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_batch=1))
+    served, gate = Served(engine), Gate(engine)
+    cancelled = _watch_cancels(engine)
+    try:
+        running = raw_request(served.port, "POST", "/v1/completions", _body(20, False))
+        gate.run_to(1)
+        waiting = raw_request(served.port, "POST", "/v1/completions", _body(20, True))
+        until(lambda: engine.stats()["queue_depth"] == 1)  # queued behind the one row max_batch allows
+        waiting.close()
+        assert cancelled.wait(30)
+        gate.open()
+        assert read_response(running)[0] == 200
+        until(lambda: engine.stats()["requests_finished"] == 2)
+        assert engine.stats()["finish_reasons"] == {"length": 1, "cancelled": 1}
+    finally:
+        gate.open()
+        served.close()
+
+
 def _graceful(grace: float):
     return lambda config: GracefulServer(config, config.app.state.drain, grace)
 
