@@ -8,6 +8,11 @@ cache of its own) plus the head's keys for the positions it drafted this round, 
 target's final norm-free head: ``logits = target_head(norm(x))``. Drafting chains ``k``
 steps, feeding its own output hidden state back as ``h``.
 
+A head may keep a reduced output vocabulary (``draft_vocab`` in its config, the kept token
+ids in ``vocab_ids``, FR-Spec style): it projects onto those rows of the target's output
+layer only and scatters them into a full-vocabulary row filled with -inf, so a token
+outside the kept set is never proposed and the chooser and verify code see [B, V] as ever.
+
 Its only per-row state is that hidden state, so a cold start from a capture round is one
 array, not a re-prefill of history.
 """
@@ -44,13 +49,17 @@ def head_config(target_args, intermediate_size: int | None = None) -> dict:
 class MTPHead(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
-        args = llama.ModelArgs(model_type="llama", num_hidden_layers=1, vocab_size=1, **config)
+        block = {k: v for k, v in config.items() if k != "draft_vocab"}
+        args = llama.ModelArgs(model_type="llama", num_hidden_layers=1, vocab_size=1, **block)
         D = args.hidden_size
         self.enorm = nn.RMSNorm(D, eps=args.rms_norm_eps)
         self.hnorm = nn.RMSNorm(D, eps=args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.block = llama.TransformerBlock(args)
         self.norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        if config.get("draft_vocab"):
+            self.vocab_ids = mx.zeros((int(config["draft_vocab"]),), dtype=mx.int32)
+            self.freeze(keys=["vocab_ids"], recurse=False)
         self.config = config
         self.name = "mtp-head"  # where it was loaded from, once loaded
 
@@ -115,6 +124,19 @@ class MTPDrafter:
     def __init__(self, head: MTPHead, runner):
         self.head, self.runner = head, runner
         self.hidden: mx.array | None = None  # [B, D]: target hidden that predicted each pending token
+        self._rows: mx.array | None = None  # the kept rows of the target's output layer [N, D]
+
+    def logits(self, h: mx.array) -> mx.array:
+        """[B, V] draft logits; -inf outside a reduced head's kept vocabulary."""
+        if "vocab_ids" not in self.head:
+            return self.runner.head(h)
+        ids = self.head.vocab_ids
+        if self._rows is None:
+            lm_head = getattr(getattr(self.runner, "model", None), "lm_head", None)
+            self._rows = lm_head.weight[ids] if lm_head is not None else self.runner.embed(ids)
+        full = mx.full((h.shape[0], self.runner.vocab_size), -mx.inf, dtype=h.dtype)
+        full[:, ids] = h @ self._rows.T
+        return full
 
     @property
     def width(self) -> int:
@@ -129,7 +151,7 @@ class MTPDrafter:
             h, kj, vj = self.head.step(h, self.runner.embed(token), base + j, ctx_k, ctx_v, ctx_mask, own_k, own_v)
             own_k.append(kj)
             own_v.append(vj)
-            step_logits = self.runner.head(h)  # [B, V]
+            step_logits = self.logits(h)  # [B, V]
             token = choose(step_logits, j)
             tokens.append(token)
             logits.append(step_logits)
@@ -162,7 +184,8 @@ class MTPDrafter:
 
 def save_head(head: MTPHead, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(mx.float16) for k, v in tree_flatten(head.parameters())}
+    weights = {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in tree_flatten(head.parameters())}
     mx.save_safetensors(str(out / "mtp.safetensors"), weights, metadata={"format": "mlx"})
     (out / "mtp_config.json").write_text(json.dumps(head.config, indent=1))
 

@@ -1,0 +1,152 @@
+"""Shared by the drafter scripts: the target's features over token data, cached on disk.
+
+A feature chunk (build/drafters/feats/<name>_NNNN.npz) holds a right-padded batch of
+sequences that start at position 0: tokens [S, L], lengths [S], the target's final
+post-norm hidden states [S, L, D] (what ``ModelRunner.hidden`` holds and the MTP drafter
+feeds its head), its last-layer KV as the cache stores it (RoPE applied) [S, Hkv, L, d],
+and its greedy token after each position [S, L]. Right padding never changes a valid
+position under the causal mask.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ROOT / "build" / "drafters"
+DATA = BUILD / "data"
+FEATS = BUILD / "feats"
+EOS = 2  # <|im_end|>
+
+
+def load_target():
+    from specbatch.models import demo_pair, load
+    return load(demo_pair()["target"])
+
+
+def generated_sequences(paths=None, max_len: int = 512) -> list[list[int]]:
+    seqs = []
+    for path in paths if paths is not None else sorted(DATA.glob("gen_*.json")):
+        for row in json.loads(path.read_text())["rows"]:
+            ans = row["answer_ids"]
+            seqs.append((row["prompt_ids"] + ans + [EOS])[:max_len])
+    return seqs
+
+
+def text_sequences() -> list[list[int]]:
+    path = DATA / "text.npz"
+    return [] if not path.exists() else np.load(path)["tokens"].tolist()
+
+
+def batches(seqs: list[list[int]], max_tokens: int = 4096) -> list[list[list[int]]]:
+    """Sequences grouped by length (sorted), at most max_tokens padded tokens a batch."""
+    order = sorted(seqs, key=len)
+    out, cur = [], []
+    for s in order:
+        if cur and (len(cur) + 1) * len(s) > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def features(model, batch: list[list[int]]) -> dict:
+    from mlx_lm.models.cache import KVCache
+    L = max(len(s) for s in batch)
+    tokens = np.zeros((len(batch), L), dtype=np.int32)
+    for i, s in enumerate(batch):
+        tokens[i, :len(s)] = s
+    cache = [KVCache() for _ in model.layers]
+    hidden = model.model(mx.array(tokens), cache=cache)  # [S, L, D], post final norm
+    greedy = mx.argmax(model.model.embed_tokens.as_linear(hidden), axis=-1).astype(mx.int32)
+    keys, values = cache[-1].keys[..., :L, :], cache[-1].values[..., :L, :]
+    mx.eval(hidden, greedy, keys, values)
+    return {"tokens": tokens, "lengths": np.array([len(s) for s in batch], dtype=np.int32),
+            "hidden": np.array(hidden.astype(mx.float16)), "keys": np.array(keys.astype(mx.float16)),
+            "values": np.array(values.astype(mx.float16)), "greedy": np.array(greedy)}
+
+
+def extract(model, name: str, seqs: list[list[int]], deadline: float, max_tokens: int = 4096,
+            folder: Path = FEATS) -> int:
+    """Cache features chunk by chunk (resumable: chunks on disk are skipped)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    groups = batches(seqs, max_tokens)
+    if name.startswith("text"):  # text chunks all have one length: spread the sources
+        rng = np.random.default_rng(0)
+        groups = [groups[i] for i in rng.permutation(len(groups))]
+    done = 0
+    bar = tqdm(total=sum(len(s) for g in groups for s in g), desc=f"features {name}", unit="tok")
+    for i, group in enumerate(groups):
+        path = folder / f"{name}_{i:04d}.npz"
+        n = sum(len(s) for s in group)
+        if path.exists():
+            bar.update(n)
+            done += n
+            continue
+        if time.time() > deadline:
+            break
+        tmp = path.with_name(path.stem + ".tmp.npz")
+        np.savez(tmp, **features(model, group))
+        tmp.replace(path)  # atomic: a killed run leaves no half chunk
+        bar.update(n)
+        done += n
+    bar.close()
+    return done
+
+
+def load_chunks(names=("gen", "text"), folder: Path = FEATS) -> list[dict]:
+    out = []
+    for name in names:
+        for path in sorted(folder.glob(f"{name}*_*.npz")):
+            if path.name.endswith(".tmp.npz"):
+                continue
+            try:
+                with np.load(path) as z:
+                    out.append({k: z[k] for k in z.files} | {"name": path.stem})
+            except (OSError, ValueError, EOFError):
+                print(f"skipping unreadable {path}")
+    return out
+
+
+def sequences_of(chunks: list[dict]) -> list[dict]:
+    """One dict per sequence (arrays cut to its length)."""
+    seqs = []
+    for c in chunks:
+        for i, n in enumerate(c["lengths"]):
+            seqs.append({"tokens": c["tokens"][i, :n], "hidden": c["hidden"][i, :n], "keys": c["keys"][i, :, :n],
+                         "values": c["values"][i, :, :n], "greedy": c["greedy"][i, :n], "chunk": c["name"]})
+    return seqs
+
+
+def accept_runs(ok: np.ndarray) -> np.ndarray:
+    """ok [P, K] booleans (draft j right given 1..j-1 right) -> accepted tokens per start for k=1..K."""
+    run = np.cumprod(ok, axis=1)  # [P, K]
+    return np.stack([run[:, :k].sum(1) for k in range(1, ok.shape[1] + 1)], axis=1)
+
+
+def heldout_prompts() -> dict:
+    return json.loads((ROOT / "scripts" / "heldout_prompts.json").read_text())
+
+
+def heldout_sequences(target, max_tokens: int = 160) -> list[dict]:
+    """The target's greedy answers to the held-out prompts (cached): prompt + answer ids."""
+    path = BUILD / "heldout_gen.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    from mlx_lm.generate import batch_generate
+    tok = target.tokenizer
+    held = heldout_prompts()
+    items = [("chat", list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)))
+             for p in held["chat"]] + [("code", list(tok.encode(p))) for p in held["code"]]
+    res = batch_generate(target.model, tok, [p for _, p in items], max_tokens=max_tokens, return_token_ids=True)
+    rows = [{"kind": k, "prompt_ids": p, "answer_ids": [int(t) for t in a]} for (k, p), a in zip(items, res.token_ids)]
+    path.write_text(json.dumps(rows))
+    return rows

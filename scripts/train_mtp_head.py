@@ -1,0 +1,293 @@
+"""Train the MTP head (drafter="mtp") for the embedded target on its own features.
+
+1. Features: the frozen target runs over the token data of scripts/drafter_data.py (its
+   own greedy answers first, then teacher-forced text) and caches, per position, its final
+   post-norm hidden state (what ModelRunner.hidden holds and MTPDrafter feeds the head),
+   its last-layer KV (RoPE applied, as the cache holds it) and its greedy next token
+   (scripts/drafter_common.py; resumable chunks under build/drafters/feats/).
+2. Training: the head is unrolled for --unroll draft steps exactly as at run time (step s
+   reads its own step s-1 output hidden state, the target KV of positions < p and its own
+   keys of this round). Step s at query n reads token n+s and is labelled with the target's
+   distribution at position n+s (soft labels over the kept vocabulary); steps s >= 2 count
+   only where tokens n+2..n+s are the target's greedy choices (the only paths a chain
+   drafter continues on at temperature 0). The output is reduced to the --vocab most
+   frequent tokens of the target's own output (vocab_ids, stored with the head).
+   Seeded, resumable (build/drafters/mtp/), time-boxed; the best checkpoint by held-out
+   (validation chunks) loss is kept in build/drafters/mtp/best/.
+
+    python -m specbatch.blas scripts/train_mtp_head.py --extract-minutes 18 --minutes 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+import drafter_common as dc  # noqa: E402
+
+from specbatch.drafters.mtp import MTPHead, head_config, save_head  # noqa: E402
+
+OUT = dc.BUILD / "mtp"
+STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5, 0.4)
+
+
+def is_val(name: str) -> bool:
+    """About one feature chunk in twelve is held out (by a hash of its name)."""
+    return zlib.crc32(name.encode()) % 12 == 0
+
+
+def init_head(target, vocab_ids: np.ndarray, init: str, seed: int) -> MTPHead:
+    mx.random.seed(seed)
+    cfg = head_config(target.model.args) | {"draft_vocab": int(len(vocab_ids))}
+    head = MTPHead(cfg)
+    if init == "last":  # the target's last block, reading [emb; hidden] summed
+        last = dict(tree_flatten(target.model.model.layers[-1].parameters()))
+        head.block.load_weights(list(last.items()))
+        D = cfg["hidden_size"]
+        head.eh_proj.weight = mx.concatenate([mx.eye(D), mx.eye(D)], axis=1) * 0.5
+    head.norm.weight = target.model.model.norm.weight
+    head.vocab_ids = mx.array(vocab_ids, dtype=mx.int32)
+    mx.eval(head.parameters())
+    return head
+
+
+def unrolled(head: MTPHead, E: mx.array, tokens, hidden, keys, values, S: int) -> list[mx.array]:
+    """Output hidden states [B, N, D] of draft steps 1..S for queries n = 0..N-1 (N = L-1);
+    tokens padded to L + S. Matches MTPHead.step chained as MTPDrafter.draft runs it."""
+    attn = head.block.self_attn
+    B, L = hidden.shape[0], keys.shape[2]
+    N = L - 1
+    ctx_k, ctx_v = keys[:, :, :N], values[:, :, :N]
+    rows, cols = mx.arange(N)[:, None], mx.arange(N)[None]
+    causal, diag = cols <= rows, cols == rows
+    h = hidden[:, :N]
+    own_k, own_v, outs = [], [], []
+    for s in range(1, S + 1):
+        x = head.eh_proj(mx.concatenate([head.enorm(E[tokens[:, s:s + N]]), head.hnorm(h)], axis=-1))
+        a = head.block.input_layernorm(x)
+        q = attn.q_proj(a).reshape(B, N, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_proj(a).reshape(B, N, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = attn.v_proj(a).reshape(B, N, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = attn.rope(q, offset=s), attn.rope(k, offset=s)
+        own_k.append(k)
+        own_v.append(v)
+        mask = mx.concatenate([causal] + [diag] * s, axis=1)
+        out = mx.fast.scaled_dot_product_attention(q, mx.concatenate([ctx_k, *own_k], 2),
+                                                   mx.concatenate([ctx_v, *own_v], 2), scale=attn.scale, mask=mask)
+        x = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
+        x = x + head.block.mlp(head.block.post_attention_layernorm(x))
+        h = head.norm(x)
+        outs.append(h)
+    return outs
+
+
+def make_batch(seqs: list[dict], S: int) -> dict:
+    L = max(len(s["tokens"]) for s in seqs)
+    B = len(seqs)
+    tokens = np.zeros((B, L + S), dtype=np.int32)
+    hidden = np.zeros((B, L + S, seqs[0]["hidden"].shape[-1]), dtype=np.float16)
+    hkv, d = seqs[0]["keys"].shape[0], seqs[0]["keys"].shape[-1]
+    keys = np.zeros((B, hkv, L, d), dtype=np.float16)
+    values = np.zeros_like(keys)
+    greedy_ok = np.zeros((B, L + S), dtype=bool)  # token m is the target's greedy choice
+    greedy = np.full((B, L + S), -1, dtype=np.int32)
+    lengths = np.zeros(B, dtype=np.int32)
+    for i, s in enumerate(seqs):
+        n = len(s["tokens"])
+        lengths[i] = n
+        tokens[i, :n], hidden[i, :n], keys[i, :, :n], values[i, :, :n] = s["tokens"], s["hidden"], s["keys"], s["values"]
+        greedy[i, :n] = s["greedy"]
+        greedy_ok[i, 1:n] = s["tokens"][1:] == s["greedy"][:-1]
+    N = L - 1
+    n = np.arange(N)[None]
+    masks = []
+    for step in range(1, S + 1):
+        m = n + step <= lengths[:, None] - 1
+        for j in range(2, step + 1):
+            m = m & greedy_ok[:, j:j + N]
+        masks.append(m)
+    return {"tokens": mx.array(tokens), "hidden": mx.array(hidden).astype(mx.float32),
+            "keys": mx.array(keys).astype(mx.float32), "values": mx.array(values).astype(mx.float32),
+            "greedy": mx.array(greedy), "masks": [mx.array(m) for m in masks]}
+
+
+def step_losses(head, E, W, pos_of, batch, S):
+    """Per-step (soft CE, top-1 hits, count) over the masked queries."""
+    outs = unrolled(head, E, batch["tokens"], batch["hidden"], batch["keys"], batch["values"], S)
+    N = outs[0].shape[1]
+    res = []
+    for s, h in enumerate(outs, start=1):
+        logp = nn.log_softmax(h @ W.T, axis=-1)
+        p = mx.softmax(batch["hidden"][:, s:s + N] @ W.T, axis=-1)
+        m = batch["masks"][s - 1].astype(mx.float32)
+        ce = -(p * logp).sum(-1)
+        want = pos_of[mx.maximum(batch["greedy"][:, s:s + N], 0)]  # -1: outside the kept set
+        hit = (mx.argmax(logp, axis=-1) == want).astype(mx.float32)
+        res.append(((ce * m).sum(), (hit * m).sum(), m.sum()))
+    return res
+
+
+def loss_fn(head, E, W, pos_of, batch, S):
+    total = 0.0
+    for s, (ce, _, cnt) in enumerate(step_losses(head, E, W, pos_of, batch, S)):
+        total = total + STEP_WEIGHTS[s] * ce / mx.maximum(cnt, 1.0)
+    return total
+
+
+def evaluate(head, E, W, pos_of, seqs, S, bs=4) -> dict:
+    sums = np.zeros((S, 3))
+    for i in range(0, len(seqs), bs):
+        res = step_losses(head, E, W, pos_of, make_batch(seqs[i:i + bs], S), S)
+        mx.eval(res)
+        sums += np.array([[float(a), float(b), float(c)] for a, b, c in res])
+    return {"ce": (sums[:, 0] / sums[:, 2]).round(4).tolist(), "top1": (sums[:, 1] / sums[:, 2]).round(4).tolist(),
+            "count": sums[:, 2].astype(int).tolist()}
+
+
+def length_batches(seqs: list[dict], bs: int, rng: np.random.Generator) -> list[list[dict]]:
+    order = rng.permutation(len(seqs))
+    out = []
+    for i in range(0, len(order), 64 * bs):  # sort within windows: little padding, still shuffled
+        win = sorted(order[i:i + 64 * bs], key=lambda j: len(seqs[j]["tokens"]))
+        out += [[seqs[j] for j in win[k:k + bs]] for k in range(0, len(win), bs)]
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--extract-minutes", type=float, default=18.0)
+    ap.add_argument("--minutes", type=float, default=30.0, help="training time box")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--unroll", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=4, help="sequences per step")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--init", choices=["last", "random"], default="last")
+    ap.add_argument("--eval-every", type=float, default=120.0, help="seconds between held-out evaluations")
+    ap.add_argument("--extract-only", choices=["gen", "text", "all"], help="cache features and stop")
+    args = ap.parse_args()
+
+    target = dc.load_target()
+    deadline = time.time() + args.extract_minutes * 60
+    if args.extract_only != "text":
+        for path in sorted(dc.DATA.glob("gen_*.json")):  # one feature set per generation chunk
+            dc.extract(target.model, f"gen{path.stem[4:]}", dc.generated_sequences([path]), deadline)
+    if args.extract_only != "gen":
+        dc.extract(target.model, "text", dc.text_sequences(), deadline)
+    if args.extract_only:
+        return
+    chunks = dc.load_chunks()
+    train_chunks = [c for c in chunks if not is_val(c["name"])]
+    val_chunks = [c for c in chunks if is_val(c["name"])]
+    train, val = dc.sequences_of(train_chunks), dc.sequences_of(val_chunks)
+    ntok = lambda ss: int(sum(len(s["tokens"]) for s in ss))  # noqa: E731
+    print(f"train {len(train)} seqs / {ntok(train)} tokens; held-out {len(val)} seqs / {ntok(val)} tokens")
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    vocab_path = OUT / "vocab_order.npy"
+    if not vocab_path.exists():  # frequency order (most frequent first) over the training data
+        counts = np.zeros(49152, dtype=np.int64)
+        for c in train_chunks:
+            for i, L in enumerate(c["lengths"]):
+                np.add.at(counts, c["greedy"][i, :L], 1)
+        for path in sorted(dc.DATA.glob("gen_*.json")):
+            for row in json.loads(path.read_text())["rows"]:
+                np.add.at(counts, np.array(row["answer_ids"] + [dc.EOS]), 1)
+        np.save(vocab_path, np.lexsort((np.arange(49152), -counts)).astype(np.int32))
+        np.save(OUT / "vocab_counts.npy", counts)
+    order = np.load(vocab_path)
+    vocab_ids = np.sort(order[:args.vocab]).astype(np.int32)
+    E = target.model.model.embed_tokens.weight
+    W = E[mx.array(vocab_ids)]
+    pos = np.full(49152, -1, dtype=np.int32)
+    pos[vocab_ids] = np.arange(len(vocab_ids))
+    pos_of = mx.array(pos)
+
+    head = init_head(target, vocab_ids, args.init, args.seed)
+    opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.01)
+    state_path = OUT / "state.json"
+    state = {"step": 0, "elapsed": 0.0, "best": None, "history": [], "tokens_seen": 0}
+    if state_path.exists():
+        state = json.loads(state_path.read_text())
+        head.load_weights(list(mx.load(str(OUT / "ckpt.safetensors")).items()))
+        opt.init(head.trainable_parameters())
+        opt.state = tree_unflatten(list(mx.load(str(OUT / "opt.safetensors")).items()))
+        print(f"resumed at step {state['step']} ({state['elapsed'] / 60:.1f} min)")
+    S = args.unroll
+    if state["step"] == 0:
+        ev = evaluate(head, E, W, pos_of, val, S)
+        print("init held-out", ev)
+        state["history"].append({"step": 0, "minutes": 0.0, **ev})
+
+    grad_fn = nn.value_and_grad(head, lambda b: loss_fn(head, E, W, pos_of, b, S))
+    budget = args.minutes * 60
+    rng = np.random.default_rng(args.seed + state["step"])
+    t_start, last_eval = time.time() - state["elapsed"], time.time()
+    bar = tqdm(total=int(budget), initial=int(state["elapsed"]), desc="mtp train (s)", unit="s")
+
+    def save_state():
+        mx.save_safetensors(str(OUT / "ckpt.safetensors"), dict(tree_flatten(head.parameters())))
+        mx.save_safetensors(str(OUT / "opt.safetensors"), dict(tree_flatten(opt.state)))
+        state_path.write_text(json.dumps(state))
+
+    done = False
+    while not done:
+        for group in length_batches(train, args.batch, rng):
+            elapsed = time.time() - t_start
+            if elapsed >= budget:
+                done = True
+                break
+            frac = elapsed / budget
+            warm = min(1.0, (state["step"] + 1) / 50)
+            opt.learning_rate = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            batch = make_batch(group, S)
+            loss, grads = grad_fn(batch)
+            grads, _ = optim.clip_grad_norm(grads, 1.0)
+            opt.update(head, grads)
+            mx.eval(head.parameters(), opt.state, loss)
+            state["step"] += 1
+            state["tokens_seen"] += int(sum(len(s["tokens"]) for s in group))
+            state["elapsed"] = time.time() - t_start
+            bar.update(int(state["elapsed"]) - bar.n)
+            bar.set_postfix(step=state["step"], loss=f"{float(loss):.3f}")
+            if time.time() - last_eval > args.eval_every:
+                last_eval = time.time()
+                ev = evaluate(head, E, W, pos_of, val, S)
+                state["history"].append({"step": state["step"], "minutes": round(state["elapsed"] / 60, 2), **ev})
+                score = sum(w * c for w, c in zip(STEP_WEIGHTS, ev["ce"]))
+                tqdm.write(f"step {state['step']} held-out ce {ev['ce']} top1 {ev['top1']}")
+                if state["best"] is None or score < state["best"]["score"]:
+                    state["best"] = {"score": score, "step": state["step"], **ev}
+                    save_head(head, OUT / "best")
+                save_state()
+    bar.close()
+    ev = evaluate(head, E, W, pos_of, val, S)
+    state["history"].append({"step": state["step"], "minutes": round(state["elapsed"] / 60, 2), **ev})
+    score = sum(w * c for w, c in zip(STEP_WEIGHTS, ev["ce"]))
+    if state["best"] is None or score < state["best"]["score"]:
+        state["best"] = {"score": score, "step": state["step"], **ev}
+        save_head(head, OUT / "best")
+    save_state()
+    summary = {"steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2), "tokens_seen": state["tokens_seen"],
+               "train_tokens": ntok(train), "heldout_tokens": ntok(val), "vocab": args.vocab, "unroll": S,
+               "init": args.init, "lr": args.lr, "batch_seqs": args.batch, "seed": args.seed,
+               "best": state["best"], "history": state["history"]}
+    (OUT / "best" / "training.json").write_text(json.dumps(summary, indent=1))
+    print("best", state["best"])
+
+
+if __name__ == "__main__":
+    main()
