@@ -231,3 +231,14 @@ def test_max_tokens_past_the_context_is_400_stating_the_room(spec_server):
     assert fits.status_code == 200
     unasked = httpx.post(url, json={"prompt": prompt, "temperature": 0}, timeout=60)  # the default budget: clamped
     assert unasked.status_code == 200 and unasked.json()["usage"]["completion_tokens"] <= 48
+
+
+def test_the_room_follows_max_model_len(model_dir):
+    from specbatch.models import load
+    served = Served(Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_model_len=64)))
+    try:
+        r = httpx.post(f"{served.url}/v1/completions", json={"prompt": [7] * 60, "max_tokens": 5})
+        assert r.status_code == 400 and "room for 4" in r.json()["error"]["message"]
+        assert httpx.post(f"{served.url}/v1/completions", json={"prompt": [7] * 60, "max_tokens": 4}).status_code == 200
+    finally:
+        served.close()

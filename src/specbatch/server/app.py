@@ -78,9 +78,9 @@ class API:
         asked = parsed.params.max_tokens
         if parsed.max_tokens_param is None or req.params.max_tokens >= asked:
             return
-        context, prompt = self.engine.target.context_length, len(req.prompt)
-        raise APIError(400, f"'{parsed.max_tokens_param}' is too large: {asked}. This model's maximum context "
-                            f"length is {context} tokens and your request has {prompt} input tokens, which "
+        context, prompt = self.engine.context_length, len(req.prompt)  # --max-model-len where shorter
+        raise APIError(400, f"'{parsed.max_tokens_param}' is too large: {asked}. The maximum context length "
+                            f"is {context} tokens and your request has {prompt} input tokens, which "
                             f"leaves room for {context - prompt} ({asked} > {context} - {prompt})",
                        parsed.max_tokens_param, "context_length_exceeded")
 
