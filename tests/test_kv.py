@@ -32,14 +32,15 @@ ops = st.lists(st.one_of(
 ), min_size=1, max_size=8)
 
 
+@pytest.mark.parametrize("layout", ["dense", "paged"])
 @pytest.mark.parametrize("which", ["tiny", "tiny_qwen"])
-@given(lengths=st.lists(st.integers(1, 16), min_size=1, max_size=4), schedule=ops, seed=st.integers(0, 99))
-def test_ragged_cache_matches_rows_alone(request, which, lengths, schedule, seed):
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4), schedule=ops, seed=st.integers(0, 99))
+def test_ragged_cache_matches_rows_alone(request, which, layout, lengths, schedule, seed):
     model = request.getfixturevalue(which).model
     rng = random.Random(seed)
     draw = lambda n: [rng.randrange(3, 500) for _ in range(n)]  # noqa: E731
     histories: list[list[int]] = []
-    kv = BatchKV.empty(len(model.layers))
+    kv = BatchKV.empty(len(model.layers), layout=layout)
     for n in lengths:
         histories.append(draw(n))
         kv.extend(prefill_row(model, histories[-1]))
@@ -51,7 +52,7 @@ def test_ragged_cache_matches_rows_alone(request, which, lengths, schedule, seed
                 histories[b] += toks
                 assert mx.allclose(logits[b], alone_logits(model, histories[b], arg), atol=1e-4), (op, b)
         elif op == "trim" and histories:
-            counts = [min(c, len(h) - 1) for c, h in zip(arg, histories)]
+            counts = [min(arg[b % len(arg)], len(h) - 1) for b, h in enumerate(histories)]
             kv.trim_rows(counts)
             histories = [h[:len(h) - c] for h, c in zip(histories, counts)]
         elif op == "remove" and len(histories) > 1:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+LAYOUT = "paged"  # BatchKV.empty's default layout (bench suite memory_layout measures both)
 STEP = 64  # grow capacity in blocks: rare copies, little padding (mlx-lm uses 256)
 
 
@@ -240,7 +241,14 @@ class BatchKV:
         self.layers = layers
 
     @classmethod
-    def empty(cls, n_layers: int, width: int = 0) -> "BatchKV":
+    def empty(cls, n_layers: int, width: int = 0, layout: str | None = None,
+              kv_bits: int | None = None) -> "BatchKV":
+        """An empty batch cache: ``paged`` (blocks, allocation close to need; the default,
+        see LAYOUT) or ``dense`` (one buffer padded to the longest row). ``kv_bits`` (8)
+        stores keys/values quantized, which only the paged layout does."""
+        if (layout or LAYOUT) == "paged" or kv_bits:
+            from .paged_kv import PagedKV
+            return PagedKV.empty(n_layers, width, kv_bits)
         return cls([RaggedKVCache([0] * width) for _ in range(n_layers)])
 
     @classmethod
