@@ -25,6 +25,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "(fp32 on CPU, the checkpoint's own on a GPU)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion served, tokens (default: the model's context)")
+    p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8],
+                   help="store the batch's target KV quantized per token (default: the model's dtype)")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -42,7 +44,8 @@ def _engine(args, **options):
     from . import Engine
     options = dict(options, speculation=not args.no_speculation, speculative_width_cap=args.speculative_width_cap,
                    num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, drafter=args.drafter,
-                   **({"max_model_len": args.max_model_len} if args.max_model_len else {}))
+                   **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
+                   **({"kv_bits": args.kv_bits} if args.kv_bits else {}))
     if not getattr(args, "distributed", False):
         return Engine.from_pretrained(args.model, args.draft_model, **options)
     from .dist import sharded_engine

@@ -59,6 +59,8 @@ class EngineConfig:
     pipeline: bool = True  # plain rounds dispatch their successor before reading (async eval)
     kv_budget_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # 0: unbounded
     prompt_cache_bytes: int = attrs.field(default=256 << 20, validator=attrs.validators.ge(0))
+    # the batch's target KV stored quantized per token (None: the model's dtype)
+    kv_bits: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_((4, 8))))
     verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))
     adaptive_k: bool = True  # draft length per round follows acceptance (num_draft_tokens is the most)
     # requests sampled hotter than this decode plain (None: any temperature speculates);

@@ -69,6 +69,7 @@ class SpecMachine:
 
     def __init__(self, target, drafter, config, stats, drafter_factory=make_drafter):
         self.runner = ModelRunner(target.model)
+        self.runner.kv_bits = config.kv_bits  # the batch loop's KV storage
         self.drafter_factory = drafter_factory  # (source, runner, batch) -> Drafter
         self.drafter_source = drafter if config.speculation else None  # a draft model or an MTP head
         self.config, self.stats = config, stats

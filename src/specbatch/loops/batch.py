@@ -50,7 +50,7 @@ class BatchLoop:
         self.armed = False  # the drafter holds one row per loop row
         self.retire = None  # callable(tokens, single caches): the prompt cache's intake
         self.rows: list[Row] = []
-        self.kv = BatchKV.empty(target.n_layers)
+        self.kv = BatchKV.empty(target.n_layers, kv_bits=getattr(target, "kv_bits", None))
         self._lookahead: mx.array | None = None  # [B] lazy tokens of a dispatched forward
         self._sampling: RowSampling | None = None
         self.rounds = 0
@@ -186,7 +186,7 @@ class BatchLoop:
         """Drop every row and all KV (after a failed round); return their requests."""
         out = [r.request for r in self.rows]
         self.rows, self._lookahead, self._sampling = [], None, None
-        self.kv = BatchKV.empty(self.target.n_layers)
+        self.kv = BatchKV.empty(self.target.n_layers, kv_bits=getattr(self.target, "kv_bits", None))
         self.disarm()
         return out
 
