@@ -111,3 +111,52 @@ def test_unsupported_architecture_is_refused():
 
     with pytest.raises(ValueError, match="full-attention"):
         check_supported(Sliding())
+
+
+def _rows(layer, lengths):
+    """Each row's held keys and values ``[H, n, D]``, as read back from the cache."""
+    keys, values = layer.keys, layer.values
+    return [(keys[b, :, :n], values[b, :, :n]) for b, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("bits", [8, None])
+def test_quantized_rollback_is_exact(tiny, bits):
+    """Trimming after an append gives exactly the state of never appending, per row."""
+    model = tiny.model
+    kv, twin = (BatchKV.empty(len(model.layers), layout="paged", kv_bits=bits) for _ in range(2))
+    for cache in (kv, twin):
+        cache.extend(prefill_row(model, list(range(5, 40))))
+        cache.extend(prefill_row(model, [9, 10, 11]))
+    held = kv.lengths()
+    model(mx.array([[3, 4, 5, 6], [7, 8, 9, 10]]), cache=kv.layers)  # both rows + 4
+    appended = [_rows(layer, kv.lengths()) for layer in kv.layers]
+    kv.trim_rows([4, 2])  # row 0 rejects all four, row 1 keeps two
+    assert kv.lengths() == [held[0], held[1] + 2]
+    for layer, before, row_kv in zip(kv.layers, twin.layers, appended):
+        (k0, v0), (k1, v1) = _rows(layer, kv.lengths())
+        assert mx.array_equal(k0, _rows(before, held)[0][0]) and mx.array_equal(v0, _rows(before, held)[0][1])
+        assert mx.array_equal(k1, row_kv[1][0][:, :held[1] + 2]) and mx.array_equal(v1, row_kv[1][1][:, :held[1] + 2])
+    kv.trim_rows([0, 2])
+    a = model(mx.array([[12], [13]]), cache=kv.layers)
+    b = model(mx.array([[12], [13]]), cache=twin.layers)
+    assert mx.array_equal(a, b)  # the next step sees the same cache bit for bit
+
+
+def test_paged_allocation_close_to_need(tiny):
+    """Mixed lengths: paged blocks stay within 10% of the tokens' bytes; dense pads."""
+    model = tiny.model
+    rng = random.Random(0)
+    lengths = [rng.randrange(100, 600) for _ in range(8)]
+    for layout, bound in (("paged", 1.10), ("dense", None)):
+        kv = BatchKV.empty(len(model.layers), layout=layout)
+        for n in lengths:
+            kv.extend(prefill_row(model, [rng.randrange(3, 500) for _ in range(n)]))
+        for _ in range(3):  # a few verify rounds with per-row rollback
+            model(mx.array([[5] * 5] * len(lengths)), cache=kv.layers)
+            kv.trim_rows([rng.randrange(0, 5) for _ in lengths])
+        kv.filter([0, 2, 4, 6])
+        ratio = kv.nbytes / kv.used_bytes()
+        if bound:
+            assert ratio <= bound, (layout, ratio)
+        else:
+            assert ratio > 1.2  # the longest row pads every other one
