@@ -1,8 +1,13 @@
-"""A bounded LRU prefix cache of target KV: multi-turn chats do not re-prefill history.
+"""A bounded LRU prefix cache of target KV: multi-turn chats do not re-prefill history,
+and requests sharing a system prompt prefill it once.
 
 Finished requests *retire* their KV (prompt + emitted tokens, less the pending one) as
 single-sequence caches; a new request reuses the longest cached prefix of its prompt and
 prefills only the rest. Preempted requests do not retire (the specification says so).
+Retiring only at the end missed the common chat case, concurrent requests with one
+system prompt, so admission also *offers* each admitted prompt (``offer_rows``), and a
+burst whose prompts share a prefix gets that prefix prefilled once first (``warm``).
+Entries are copies (``_cut``), so ``nbytes`` is what the cache really pins.
 """
 
 from __future__ import annotations
@@ -10,7 +15,11 @@ from __future__ import annotations
 import collections
 
 import attrs
+import mlx.core as mx
+import structlog
 from mlx_lm.models.cache import KVCache
+
+log = structlog.get_logger(__name__)
 
 
 @attrs.define
@@ -33,7 +42,8 @@ def _cut(caches: list[KVCache], n: int) -> list[KVCache]:
     out = []
     for c in caches:
         cut = KVCache()
-        cut.keys, cut.values, cut.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+        # a copy: a slice would pin the whole (larger) source buffer behind a small nbytes
+        cut.keys, cut.values, cut.offset = mx.contiguous(c.keys[..., :n, :]), mx.contiguous(c.values[..., :n, :]), n
         out.append(cut)
     return out
 
@@ -46,6 +56,7 @@ class PromptCache:
         self._entries: collections.OrderedDict[tuple[int, ...], Entry] = collections.OrderedDict()
         self.nbytes = 0
         self.hits = self.misses = 0
+        self._offered: set[str] = set()  # request ids whose prompt went in at admission
 
     def retire(self, tokens: list[int], caches: list[KVCache]) -> None:
         """Store a finished sequence's KV (``caches`` must hold at least ``tokens``)."""
@@ -56,29 +67,66 @@ class PromptCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        kept = _cut(caches, n)
-        nbytes = sum(c.keys.nbytes + c.values.nbytes for c in kept)
+        nbytes = sum(c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes for c in caches)
         if nbytes > self.max_bytes:
             return
+        for old in [k for k in self._entries if k == key[:len(k)]]:  # covered by the new entry
+            self.nbytes -= self._entries.pop(old).nbytes
+        kept = _cut(caches, n)
         self._entries[key] = Entry(key, kept, nbytes)
         self.nbytes += nbytes
         while self.nbytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self.nbytes -= old.nbytes
 
-    def lookup(self, prompt: list[int]) -> tuple[list[KVCache] | None, int]:
-        """Caches holding the longest cached prefix of ``prompt`` (at most len - 1 tokens)."""
+    def _best(self, prompt: list[int]) -> tuple[Entry | None, int]:
         best, best_n = None, 0
         for entry in self._entries.values():
             n = min(_common(entry.tokens, prompt), len(prompt) - 1)
             if n > best_n:
                 best, best_n = entry, n
+        return best, best_n
+
+    def lookup(self, prompt: list[int]) -> tuple[list[KVCache] | None, int]:
+        """Caches holding the longest cached prefix of ``prompt`` (at most len - 1 tokens)."""
+        best, best_n = self._best(prompt)
         if best is None or best_n < self.min_tokens:
             self.misses += 1
             return None, 0
         self._entries.move_to_end(best.tokens)
         self.hits += 1
         return _cut(best.caches, best_n), best_n
+
+    def warm(self, runner, prompts: list[list[int]]) -> None:
+        """Prefill, once, each prefix that arriving ``prompts`` share with one another and
+        the cache lacks (a burst of requests with one system prompt), so their lookups hit."""
+        if self.max_bytes <= 0:
+            return
+        from .runner import prefill
+        for i, prompt in enumerate(prompts):
+            shared = max((min(_common(tuple(prompt), other), len(prompt), len(other)) - 1
+                          for j, other in enumerate(prompts) if j != i), default=0)
+            if shared < self.min_tokens or self._best(prompt)[1] >= shared:
+                continue
+            cache = runner.make_cache()
+            prefill(runner, prompt[:shared], cache)
+            self.retire(prompt[:shared], cache)
+            log.info("prefix_warm", tokens=shared)
+
+    def offer_rows(self, loop) -> None:
+        """Offer the prompts of rows admitted since the last call (their KV holds them), so
+        requests arriving while these still run reuse the shared part."""
+        if self.max_bytes <= 0:
+            return
+        for i, row in enumerate(loop.rows):
+            request = row.request
+            if request.id in self._offered or len(request.prompt) <= self.min_tokens:
+                continue
+            self._offered.add(request.id)
+            if self._best(request.prompt)[1] < len(request.prompt) - 1:
+                self.retire(request.prompt[:-1], loop.kv.extract(i))
+        if len(self._offered) > 4 * max(1, len(loop.rows)) + 1024:
+            self._offered = {r.request.id for r in loop.rows}
 
     def clear(self) -> None:
         self._entries.clear()
