@@ -104,7 +104,7 @@ class PromptCache:
             return
         from .runner import prefill
         for i, prompt in enumerate(prompts):
-            shared = max((min(_common(tuple(prompt), other), len(prompt), len(other)) - 1
+            shared = max((min(_common(tuple(prompt), other), len(prompt) - 1, len(other) - 1)
                           for j, other in enumerate(prompts) if j != i), default=0)
             if shared < self.min_tokens or self._best(prompt)[1] >= shared:
                 continue

@@ -1,0 +1,101 @@
+"""The prefix cache: a shared system prompt is prefilled once, and its byte bound holds."""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from specbatch.kv import BatchKV
+from specbatch.prompt_cache import PromptCache
+from specbatch.runner import ModelRunner, prefill
+
+SYSTEM = list(range(10, 60))  # a 50-token shared system prompt
+
+
+class CountingRunner(ModelRunner):
+    """Counts the tokens it forwards (prefill work)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.tokens = 0
+
+    def forward(self, tokens, cache):
+        self.tokens += tokens.size
+        return super().forward(tokens, cache)
+
+
+def single(runner, tokens):
+    cache = runner.make_cache()
+    prefill(runner, tokens, cache)
+    return cache
+
+
+def test_burst_sharing_a_system_prompt_prefills_it_once(tiny):
+    runner = CountingRunner(tiny.model)
+    cache = PromptCache(max_bytes=64 << 20)
+    prompts = [SYSTEM + [100 + i, 200 + i, 300 + i] for i in range(4)]
+    cache.warm(runner, prompts)
+    assert runner.tokens == len(SYSTEM)  # the shared 50 tokens, once
+    for p in prompts:
+        got, n = cache.lookup(p)
+        assert n >= len(SYSTEM) and got[0].offset == n
+    assert cache.hits == 4 and cache.misses == 0
+
+
+def test_reused_prefix_gives_the_same_logits(tiny):
+    runner = ModelRunner(tiny.model)
+    cache = PromptCache(max_bytes=64 << 20)
+    a, b = SYSTEM + [1, 2, 3], SYSTEM + [7, 8]
+    cache.retire(a, single(runner, a))
+    got, n = cache.lookup(b)
+    assert n == len(SYSTEM)
+    logits = prefill(runner, b[n:], got)
+    assert mx.allclose(logits, prefill(runner, b, runner.make_cache()), atol=1e-4)
+
+
+@attrs.define
+class _Req:
+    id: str
+    prompt: list[int]
+
+
+@attrs.define
+class _Row:
+    request: _Req
+
+
+@attrs.define
+class _Loop:
+    rows: list
+    kv: BatchKV
+
+
+def test_offer_rows_serves_an_arrival_while_the_first_still_runs(tiny):
+    runner = ModelRunner(tiny.model)
+    first = SYSTEM + [1, 2, 3]
+    kv = BatchKV.empty(runner.n_layers)
+    kv.extend(BatchKV.from_singles(single(runner, first)))
+    cache = PromptCache(max_bytes=64 << 20)
+    cache.offer_rows(_Loop([_Row(_Req("a", first))], kv))
+    cache.offer_rows(_Loop([_Row(_Req("a", first))], kv))  # offered once
+    assert len(cache) == 1
+    got, n = cache.lookup(SYSTEM + [9, 9])
+    assert n == len(SYSTEM)
+
+
+def test_memory_bound_holds_and_entries_are_copies(tiny):
+    runner = ModelRunner(tiny.model)
+    one = single(runner, SYSTEM)
+    per_token = sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in one)
+    cache = PromptCache(max_bytes=per_token * 120)
+    for i in range(6):
+        p = [i] + SYSTEM
+        cache.retire(p, single(runner, p))
+        assert cache.nbytes <= cache.max_bytes
+    assert len(cache) == 2  # 51-token entries: two fit in 120 tokens' bytes
+    held = sum(a.nbytes for e in cache._entries.values() for c in e.caches for a in (c.keys, c.values))
+    assert held == cache.nbytes
+    for e in cache._entries.values():
+        assert e.caches[0].keys.shape[2] == len(e.tokens)  # no slack kept
+    assert isinstance(e.caches[0], KVCache)
