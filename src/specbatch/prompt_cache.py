@@ -73,6 +73,7 @@ class PromptCache:
         for old in [k for k in self._entries if k == key[:len(k)]]:  # covered by the new entry
             self.nbytes -= self._entries.pop(old).nbytes
         kept = _cut(caches, n)
+        mx.eval([a for c in kept for a in (c.keys, c.values)])  # copy now, before the source moves on
         self._entries[key] = Entry(key, kept, nbytes)
         self.nbytes += nbytes
         while self.nbytes > self.max_bytes:
@@ -113,19 +114,20 @@ class PromptCache:
             self.retire(prompt[:shared], cache)
             log.info("prefix_warm", tokens=shared)
 
+    def offer(self, request, caches) -> None:
+        """Offer an admitted request's prompt; ``caches`` (or a callable giving them) hold it."""
+        if self.max_bytes <= 0 or request.id in self._offered or len(request.prompt) <= self.min_tokens:
+            return
+        self._offered.add(request.id)
+        if self._best(request.prompt)[1] < len(request.prompt) - 1:  # not already covered
+            self.retire(request.prompt[:-1], caches() if callable(caches) else caches)
+
     def offer_rows(self, loop) -> None:
         """Offer the prompts of rows admitted since the last call (their KV holds them), so
         requests arriving while these still run reuse the shared part."""
-        if self.max_bytes <= 0:
-            return
         for i, row in enumerate(loop.rows):
-            request = row.request
-            if request.id in self._offered or len(request.prompt) <= self.min_tokens:
-                continue
-            self._offered.add(request.id)
-            if self._best(request.prompt)[1] < len(request.prompt) - 1:
-                self.retire(request.prompt[:-1], loop.kv.extract(i))
-        if len(self._offered) > 4 * max(1, len(loop.rows)) + 1024:
+            self.offer(row.request, lambda i=i: loop.kv.extract(i))
+        if len(self._offered) > 4 * len(loop.rows) + 1024:  # forget requests long gone
             self._offered = {r.request.id for r in loop.rows}
 
     def clear(self) -> None:
