@@ -1,4 +1,11 @@
-"""specbatch: speculative decoding and continuous batching together, on MLX."""
+"""specbatch: speculative decoding and continuous batching together, on MLX.
+
+The public names load lazily (PEP 562 ``__getattr__``): ``from specbatch import Engine``
+works as before, while tools that need no kernels (``specbatch statechart --check``,
+the machine's table) import without loading MLX.
+"""
+
+import importlib
 
 from .openblas import preload_in_process as _preload_blas
 
@@ -8,12 +15,22 @@ from .logs import configure_default as _configure_logs  # noqa: E402
 
 _configure_logs()
 
-from .core import EngineCore, StepEvent  # noqa: E402
-from .engine import Engine  # noqa: E402
-from .errors import EngineClosed, InvalidRequest, QueueFull
-from .request import Completion, RequestHandle, TokenEvent, Usage
-from .sampling import SamplingParams
-
-__all__ = ["Engine", "EngineCore", "StepEvent", "SamplingParams", "Completion", "RequestHandle",
-           "TokenEvent", "Usage", "InvalidRequest", "EngineClosed", "QueueFull"]
+_EXPORTS = {
+    "Engine": ".engine", "EngineCore": ".core", "StepEvent": ".core", "SamplingParams": ".sampling",
+    "Completion": ".request", "RequestHandle": ".request", "TokenEvent": ".request", "Usage": ".request",
+    "InvalidRequest": ".errors", "EngineClosed": ".errors", "QueueFull": ".errors",
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'specbatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])
