@@ -7,7 +7,7 @@ import attrs
 from specbatch.core import StepEvent
 from specbatch.loops.batch import BatchLoop
 from specbatch.loops.scalar import ScalarLoop
-from specbatch.machine import make_drafter
+from specbatch.kernels import make_drafter
 from specbatch.request import Request
 from specbatch.runner import ModelRunner
 from specbatch.sampling import SamplingParams
@@ -36,9 +36,9 @@ def run_scalar(target, drafter, prompt, k=4, verify="coupled", **params):
     loop.start()
     rounds = []
     while not loop.finished:
-        loop.step()
-        if loop.last_round:
-            rounds.append(loop.last_round)
+        out = loop.step()
+        if out.verify:
+            rounds.append(out.verify)
     return request.tokens, rounds
 
 
@@ -57,9 +57,9 @@ def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, param
         loop.capture_round()
     while loop.width:
         if armed:
-            result = loop.spec_round()
-            if result:
-                rounds.append(result)
+            out = loop.spec_round()
+            if out.verify:
+                rounds.append(out.verify)
         else:
             loop.plain_round(successor=False)
         loop.reap()
@@ -68,7 +68,7 @@ def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, param
 
 def inject_failure(engine, at_call: int, message: str = "injected kernel failure") -> None:
     """Make the engine's target forward raise once, on call number ``at_call``."""
-    runner = engine.scheduler.runner
+    runner = engine.scheduler.kernels.runner
     real, calls = runner.forward, {"n": 0}
 
     def flaky(tokens, cache):

@@ -189,3 +189,26 @@ def test_max_model_len_bounds_prompt_and_budget(tiny):
         assert len(run.tokens[rid]) == 10 and run.finals[rid].finish_reason == "length"
     with pytest.raises(ValueError, match="max_model_len"):
         EngineConfig(max_model_len=0)
+
+
+def test_a_row_finishing_in_a_verify_round_reports_that_round(tiny):
+    """The completion is taken after the round is recorded: its spec stats include it."""
+    with EngineCore(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=4)) as core:
+        rids = [core.add("def f(x):", greedy(14)), core.add("x = 1", greedy(14))]
+        run, rounds_at_finish = Run(), {}
+        while core.has_work():
+            before = core.stats()["spec_rounds"]
+            events = core.step()
+            run.see(events)
+            run.states.append(core.state)
+            for event in events:
+                if event.finish_reason:
+                    rounds_at_finish[event.request_id] = (before, core.stats()["spec_rounds"])
+        stats = core.stats()
+        assert run.path == ["Batched", "Idle"]
+        for rid in rids:
+            before, after = rounds_at_finish[rid]
+            assert after == before + 1  # it finished inside a verify round
+            spec = run.finals[rid].completion.spec
+            assert spec.rounds == stats["spec_rounds"] and spec.drafted == 3 * stats["spec_rounds"]
+        assert sum(run.finals[r].completion.spec.accepted for r in rids) == stats["accepted_tokens"]

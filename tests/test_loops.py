@@ -92,13 +92,21 @@ def test_stops_inside_an_accepted_run(tiny):
     assert outs[0] == ref[:ref.index(ref[stop_at]) + 1] and len(outs[1]) == 40
     text = tiny.tokenizer.decode(ref)
     stop = text[len(text) // 2:len(text) // 2 + 3]
-    request = make_request(tiny, "def f(x):", max_tokens=40, stop=[stop], ignore_eos=True)
-    scalar = ScalarLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model, batch=False), request, 8)
-    scalar.start()
-    while not scalar.finished:
-        scalar.step()
-    assert request.finish_reason == "stop" and stop not in request.stream.text
-    assert text.startswith(request.stream.text)
+    # stop strings are the core's (output.Delivery): through the scalar loop and the batch
+    from helpers import drive
+
+    from specbatch import EngineCore, SamplingParams
+    from specbatch.config import EngineConfig
+    params = SamplingParams(seed=0, max_tokens=40, stop=[stop], ignore_eos=True)
+    for burst in (1, 2):
+        with EngineCore(tiny, tiny, EngineConfig(num_draft_tokens=8, speculative_width_cap=4)) as core:
+            run, ids = drive(core, {0: [("def f(x):", params)] * burst})
+        assert run.path == (["Scalar", "Idle"] if burst == 1 else ["Batched", "Idle"])
+        for rid in ids:
+            final = run.finals[rid]
+            assert final.finish_reason == "stop" and stop not in run.text[rid], burst
+            assert text.startswith(run.text[rid]) and final.completion.text == run.text[rid]
+            assert run.tokens[rid] == final.completion.token_ids == ref[:len(run.tokens[rid])]
 
 
 def test_budget_edges(tiny):
@@ -118,8 +126,8 @@ def test_capture_round_emits_one_token_per_row_at_plain_cost(tiny):
     real = loop.target.forward
     loop.target.forward = lambda tokens, cache: (shapes.append(tokens.shape), real(tokens, cache))[1]
     before = [r.emitted for r in requests]
-    emitted = loop.capture_round()
-    assert emitted == 3 and [r.emitted for r in requests] == [b + 1 for b in before]
+    out = loop.capture_round()
+    assert [len(row.tokens) for row in out.rows.values()] == [1, 1, 1] and out.round and [r.emitted for r in requests] == [b + 1 for b in before]
     assert shapes == [(3, 1)]  # one plain one-position forward of the batch: plain-decode cost
     assert loop.armed and loop.drafter.width == 3
 
@@ -129,7 +137,7 @@ def test_a_burst_joins_an_armed_batch_in_one_prefill(tiny, tiny_draft, drafter_k
     """Rows prefilled together (left-padded, ragged starts) join an armed loop and its
     drafter; every stream still equals plain decoding."""
     from helpers import make_request
-    from specbatch.machine import make_drafter
+    from specbatch.kernels import make_drafter
     drafter = tiny_draft if drafter_kind == "model" else tiny
     params = dict(max_tokens=12, ignore_eos=True)
     plain = [run_plain(tiny, p, **params) for p in PROMPTS[:6]]
@@ -158,7 +166,7 @@ def test_adaptive_draft_length_follows_acceptance(tiny, tiny_draft):
     assert next_k(1, 6, RoundResult([], [0], 1)) == 1  # never below one
     assert next_k(4, 6, RoundResult([], [3, 2], 4)) == 4  # in between: keep
     from helpers import make_request
-    from specbatch.machine import make_drafter
+    from specbatch.kernels import make_drafter
     for drafter, oracle in ((tiny, True), (tiny_draft, False)):
         request = make_request(tiny, "def f(x):", max_tokens=40, ignore_eos=True)
         runner = ModelRunner(tiny.model)

@@ -78,10 +78,12 @@ def test_preempt_gate_rearm_drain(tiny):
             gated_widths.append(width(core))
         assert transitions(core)["Gated->Batched"] == 1 and width(core) <= 2
         assert min(gated_widths, default=5) > 2  # re-armed at the first round within the cap
+        assert "Batched->Batched" not in transitions(core)  # re-arm settles; the capture is next
+        assert step(core, run) == "Batched" and transitions(core)["Batched->Batched"] == 1
         drive(core, run=run)
         assert run.path == ["Scalar", "Batched", "Gated", "Batched", "Idle"]
         assert transitions(core) == {"Idle->Scalar": 1, "Scalar->Batched": 1, "Batched->Gated": 1,
-                                     "Gated->Batched": 1, "Batched->Idle": 1}
+                                     "Gated->Batched": 1, "Batched->Batched": 1, "Batched->Idle": 1}
         assert max(core.stats()["spec_widths"]) <= 2  # never speculates over the cap
         assert_released(core)
         assert run.finals[ids[0]].finish_reason == "length"
@@ -156,7 +158,8 @@ def test_preempted_request_keeps_batch_semantics_and_does_not_retire(tiny):
         drive(core, run=run)
         # after the batch drained to one row it stayed in the batch loop: one Idle->Scalar only
         assert run.path == ["Scalar", "Batched", "Idle"]
-        assert transitions(core) == {"Idle->Scalar": 1, "Scalar->Batched": 1, "Batched->Idle": 1}
+        assert transitions(core) == {"Idle->Scalar": 1, "Scalar->Batched": 1, "Batched->Batched": 1,
+                                     "Batched->Idle": 1}  # preempt, then the capture round arms it
         assert_released(core)
 
 
@@ -200,7 +203,7 @@ def test_hot_requests_decode_plain_where_speculation_does_not_pay(tiny):
         assert run.path == ["Scalar", "Batched", "Gated", "Batched", "Idle"]  # re-armed after it left
         assert transitions(core) == {"Idle->Gated": 1, "Gated->Idle": 1, "Idle->Scalar": 1,
                                      "Scalar->Batched": 1, "Batched->Gated": 1, "Gated->Batched": 1,
-                                     "Batched->Idle": 1}
+                                     "Batched->Batched": 1, "Batched->Idle": 1}
         assert run.finals[second].completion.spec.drafted == 0  # never in a verify round
         assert_released(core)
     jobs = [(LONG, cold), ("y = 2", hot)]
@@ -290,3 +293,32 @@ def test_trace_draws_the_path_a_run_took(tmp_path):
     chart = trace(log)
     assert "Scalar --> Batched: preempt x1" in chart
     assert "%% not taken: Batched -> Gated (gate)" in chart
+
+
+def test_chart_tool_runs_without_mlx():
+    """The machine and its chart import no kernel: `statechart --check` needs no MLX."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from specbatch.cli import build_parser; "
+            "args = build_parser().parse_args(['statechart', '--check']); rc = args.func(args); "
+            "loaded = [m for m in sys.modules if m.startswith('mlx')]; "
+            "assert not loaded, loaded; sys.exit(rc)")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert done.returncode == 0, done.stderr
+    assert "matches the machine" in done.stdout
+
+
+def test_the_chart_draws_the_capture_round_and_each_states_order():
+    from specbatch.machine import ROUNDS
+    chart = CHART.read_text()
+    assert "Batched --> Batched: capture [unarmed]" in chart
+    assert "Gated --> Batched: rearm [rearm_pays]" in chart
+    assert "%% Gated: inject > count_calm > drain? > rearm? > plain_round > reap" in chart
+    # the injection drain comes before a pending re-arm or capture: arrivals gate first
+    assert ROUNDS["Gated"].index("inject") < ROUNDS["Gated"].index("rearm")
+    assert ROUNDS["Batched"].index("gate") < ROUNDS["Batched"].index("capture")

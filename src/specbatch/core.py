@@ -22,10 +22,12 @@ import structlog
 from .config import EngineConfig
 from .errors import EngineClosed, InvalidRequest, QueueFull
 from .models import LoadedModel
+from .kernels import build_scheduler
+from .output import Delivery
 from .plan import Lockstep, Plan, PlanRunner, fingerprint
 from .request import Completion, Request, RequestHandle, TokenEvent
 from .sampling import SamplingParams
-from .scheduler import Scheduler, build_scheduler
+from .scheduler import Scheduler
 from .stats import EngineStats
 
 log = structlog.get_logger(__name__)
@@ -90,14 +92,17 @@ class EngineCore:
                  config: EngineConfig | None = None, *, scheduler_factory=build_scheduler,
                  lockstep: Lockstep | None = None,
                  fatal: Callable[[BaseException], bool] | None = None):
-        """``scheduler_factory(target, drafter, config, stats)`` builds the scheduler (the
-        state machine by default); ``lockstep`` publishes each plan to follower ranks;
+        """``scheduler_factory(target, drafter, config, stats, deliver)`` builds the
+        scheduler (the state machine over fresh kernels by default; ``deliver`` is this
+        core's output stage); ``lockstep`` publishes each plan to follower ranks;
         ``fatal(exc)``: errors that end the core instead of failing one round."""
         self.target, self.drafter = target, drafter
         self.config = config or EngineConfig()
         self.tokenizer = target.tokenizer
         self.counters = EngineStats()
-        self.scheduler: Scheduler = scheduler_factory(target, drafter, self.config, self.counters)
+        self.delivery = Delivery(self.counters)  # round outputs -> text, stops, stats, events
+        self.scheduler: Scheduler = scheduler_factory(target, drafter, self.config, self.counters,
+                                                      self.delivery)
         self.lockstep = lockstep
         if fatal is None:
             fatal = lockstep.is_fatal if lockstep else (lambda exc: False)
@@ -239,8 +244,10 @@ class EngineCore:
         return self._events.drain()
 
     def book(self, finished: list[Request]) -> None:
-        """Close out requests that left the engine: counters and a log line."""
+        """Close out requests that left the engine: the final event of any that ended
+        without one (cancels, errors), counters and a log line."""
         for request in finished:
+            self.delivery.close(request)
             self.counters.record_finish(request)
             log.info("finish", request=request.id, reason=request.finish_reason, tokens=request.emitted,
                      drafted=request.spec.drafted, accepted=request.spec.accepted, retire=request.retire)

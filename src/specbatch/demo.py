@@ -2,7 +2,7 @@
 summary. It drives an ``EngineCore`` step by step (no thread, no sleeps), so every run
 takes every edge of the chart in four acts: one request alone (Idle -> Scalar -> Idle);
 staggered arrivals (Scalar -> Batched by preempt, Batched -> Gated over the cap,
-Gated -> Batched by re-arm, Batched -> Idle); bursts within and over the cap
+Gated -> Batched by re-arm, Batched -> Batched by the capture round, Batched -> Idle); bursts within and over the cap
 (Idle -> Batched -> Idle, Idle -> Gated -> Idle)."""
 
 from __future__ import annotations

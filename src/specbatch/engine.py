@@ -25,7 +25,8 @@ from .models import LoadedModel
 from .request import Request, RequestHandle
 from .sampling import SamplingParams
 from .plan import Lockstep, Plan
-from .scheduler import Scheduler, build_scheduler
+from .kernels import build_scheduler
+from .scheduler import Scheduler
 
 log = structlog.get_logger(__name__)
 _engines: weakref.WeakSet = weakref.WeakSet()
@@ -45,8 +46,8 @@ class Engine:
     def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None,
                  config: EngineConfig | None = None, *, scheduler_factory=build_scheduler,
                  lockstep: Lockstep | None = None):
-        """``scheduler_factory(target, drafter, config, stats)`` builds the scheduler (the
-        state machine by default); ``lockstep`` publishes each plan to follower ranks."""
+        """``scheduler_factory(target, drafter, config, stats, deliver)`` builds the
+        scheduler (the state machine by default); ``lockstep`` publishes each plan to follower ranks."""
         self.core = EngineCore(target, drafter, config, scheduler_factory=scheduler_factory,
                                lockstep=lockstep)
         self.target, self.drafter, self.config = target, drafter, self.core.config
@@ -127,8 +128,19 @@ class Engine:
 
     async def stream_request(self, request: Request):
         """Queue a prepared request and yield its events; cancel it if the consumer leaves."""
-        events = request.handle._attach(asyncio.get_running_loop())
-        self._enqueue(request)
+        [events] = self.stream_requests([request])
+        async for event in events:
+            yield event
+
+    def stream_requests(self, requests: list[Request]) -> list:
+        """Queue prepared requests as one arrival (the next step admits them together);
+        one async event stream each, which cancels its request if its consumer leaves."""
+        loop = asyncio.get_running_loop()
+        queues = [r.handle._attach(loop) for r in requests]
+        self._enqueue(*requests)
+        return [self._events(r, q) for r, q in zip(requests, queues)]
+
+    async def _events(self, request: Request, events):
         try:
             while True:
                 event = await events.get()

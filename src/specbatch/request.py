@@ -124,7 +124,10 @@ class RequestHandle:
 
 @attrs.define(eq=False)
 class Request:
-    """Engine-side state of one request (owned by the engine thread)."""
+    """Engine-side data of one request (owned by the engine thread).
+
+    Loops append generated ids (``append``); the core's output stage turns them into
+    text and events and completes the request; nothing here pushes to the handle."""
 
     prompt: list[int]
     params: SamplingParams
@@ -134,6 +137,7 @@ class Request:
     id: str = attrs.field(factory=lambda: f"req-{next(_ids)}")
     tokens: list[int] = attrs.field(factory=list)
     finish_reason: str | None = None
+    error: str | None = None
     cancel_requested: bool = False
     retire: bool = True  # offer the KV back to the prompt cache; preempted requests don't
     submitted_at: float = attrs.field(factory=time.perf_counter)
@@ -165,8 +169,9 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def emit(self, token: int) -> bool:
-        """Deliver one token; True when the request has just finished (nothing after)."""
+    def append(self, token: int) -> bool:
+        """Record one generated id; True when the ids alone end the request (EOS, a stop
+        token, the budget). Text and stop strings are the core's (``output.Delivery``)."""
         if self.finished:
             raise RuntimeError(f"{self.id}: token after finish")
         now = time.perf_counter()
@@ -176,33 +181,19 @@ class Request:
             self.gaps.append(now - self.last_token_at)
         self.last_token_at = now
         self.tokens.append(token)
-        try:
-            text = self.stream.add(token)
-        except Exception as exc:  # a detokeniser failure fails this request only
-            self.abort("error", f"detokenisation failed: {exc}")
-            return True
-        reason = None
-        if (token in self.eos_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids or self.stream.stopped:
-            reason = "stop"
+        if (token in self.eos_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
+            self.finish_reason = "stop"
         elif self.remaining <= 0:
-            reason = "length"
-        if reason is not None:
-            text += self.stream.finish()
-        if reason is not None:
-            self._close(reason)  # complete first: whoever sees the last event finds the result ready
-        self.handle._push(TokenEvent(self.id, self.emitted - 1, token, text, reason))
-        return reason is not None
+            self.finish_reason = "length"
+        return self.finished
 
     def abort(self, reason: str, error: str | None = None) -> None:
-        """Finish without a token (cancel or error); the final event carries the reason."""
-        if self.finished:
-            return
-        text = self.stream.finish() if reason != "error" else ""
-        self._close(reason, error)
-        self.handle._push(TokenEvent(self.id, self.emitted, None, text, reason, error))
+        """End without a token (cancel or error); the core closes it with a final event."""
+        if not self.finished:
+            self.finish_reason, self.error = reason, error
 
-    def _close(self, reason: str, error: str | None = None) -> None:
-        self.finish_reason = reason
-        self.handle._complete(Completion(
-            self.id, self.stream.text, list(self.tokens), reason,
-            Usage(len(self.prompt), len(self.tokens)), self.params.seed, error, attrs.evolve(self.spec)))
+    def completion(self) -> Completion:
+        """The whole result as it stands (the core takes it once the request has ended)."""
+        return Completion(self.id, self.stream.text, list(self.tokens), self.finish_reason,
+                          Usage(len(self.prompt), len(self.tokens)), self.params.seed, self.error,
+                          attrs.evolve(self.spec))

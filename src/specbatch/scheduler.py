@@ -1,17 +1,18 @@
-"""What the engine thread asks of a scheduler, and admission helpers the machine uses."""
+"""What the engine asks of a scheduler, and what the machine asks of its kernels.
+
+These Protocols are the machine's whole view of the kernels: the machine decides, the
+objects behind them run rounds. Nothing here imports MLX, so the machine (and the chart
+tool) load without it; ``kernels.py`` builds the real objects and hands them in.
+"""
 
 from __future__ import annotations
 
 import collections
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import structlog
-
-from .loops.batch import BatchLoop
-from .request import Request
-from .runner import PREFILL_CHUNK
-
-log = structlog.get_logger(__name__)
+if TYPE_CHECKING:
+    from .output import RoundOutput
+    from .request import Request
 
 
 class Scheduler(Protocol):
@@ -33,68 +34,75 @@ class Scheduler(Protocol):
     def shutdown(self) -> None: ...
 
 
-BATCH_PREFILL_TOKENS = 2048  # padded tokens per batched prefill: bounds its activations
+class ScalarRounds(Protocol):
+    """The scalar loop as the machine drives it (``loops/scalar.py``)."""
+
+    request: Request
+
+    def step(self) -> RoundOutput:
+        """Deliver one token, running a speculative round when none is buffered."""
+        ...
+
+    def close(self):
+        """Stop here and return a ``Handoff`` the batch loop rebuilds from."""
+        ...
+
+    def memory(self) -> dict: ...
 
 
-def admit_each(loop: BatchLoop, requests: list[Request], prompt_cache=None) -> list[Request]:
-    """Admit ``requests``: those with a cached prefix (or a long prompt) one by one, the
-    rest in left-padded groups of similar length. A request that fails or finishes at
-    once is returned; a failing group falls back to one by one, so one bad request never
-    takes down the others."""
-    done, fresh = [], []
-    for request in requests:
-        cache, _ = prompt_cache.lookup(request.prompt) if prompt_cache else (None, 0)
-        if cache is None and len(request.prompt) <= PREFILL_CHUNK:
-            fresh.append(request)
-        else:
-            done += _admit_one(loop, request, cache)
-    for group in _groups(fresh):
-        try:
-            loop.admit_many(group) if len(group) > 1 else loop.admit(group[0])
-        except Exception as exc:
-            log.warning("group_admit_failed", requests=len(group), error=str(exc))
-            joined = {id(r.request) for r in loop.rows}
-            for request in group:
-                if id(request) in joined or request.finished:
-                    done += [request] if request.finished else []
-                elif request.emitted == 0:  # never started: admit it alone
-                    done += _admit_one(loop, request, None)
-                else:  # its first token went out but it never joined: it cannot go on
-                    request.abort("error", f"admission failed: {exc}")
-                    done.append(request)
-            continue
-        done += [r for r in group if r.finished]
-        for request in group:
-            log.info("admit", request=request.id, prompt_tokens=len(request.prompt), width=loop.width)
-    return done
+class BatchRounds(Protocol):
+    """The batch loop as the machine drives it (``loops/batch.py``)."""
+
+    rows: list
+    armed: bool
+
+    @property
+    def width(self) -> int: ...
+
+    @property
+    def settled(self) -> bool: ...
+
+    def settle(self) -> RoundOutput: ...
+
+    def reap(self) -> list[Request]: ...
+
+    def rebuild(self, handoff) -> RoundOutput: ...
+
+    def capture_round(self) -> RoundOutput: ...
+
+    def disarm(self) -> None: ...
+
+    def limit_draft(self, k: int) -> None: ...
+
+    def spec_round(self) -> RoundOutput: ...
+
+    def plain_round(self, successor: bool = True) -> RoundOutput: ...
+
+    def memory(self) -> dict: ...
 
 
-def _groups(requests: list[Request]) -> list[list[Request]]:
-    """Similar lengths together (little padding), each within BATCH_PREFILL_TOKENS."""
-    groups: list[list[Request]] = []
-    for request in sorted(requests, key=lambda r: len(r.prompt)):
-        group = groups[-1] if groups else None
-        if group is None or len(request.prompt) * (len(group) + 1) > BATCH_PREFILL_TOKENS:
-            groups.append([request])
-        else:
-            group.append(request)
-    return groups
+class Kernels(Protocol):
+    """Builds loops and owns what outlives them (the target runner, the prompt cache)."""
 
+    speculative: bool  # a drafter exists and speculation is on
+    token_bytes: int  # target KV bytes per token (0: unknown), for the KV budget
 
-def _admit_one(loop: BatchLoop, request: Request, cache) -> list[Request]:
-    try:
-        loop.admit(request, cache=cache)
-    except Exception as exc:  # one bad request never takes down the batch
-        log.exception("admit_failed", request=request.id, error=str(exc))
-        request.abort("error", f"admission failed: {exc}")
-    log.info("admit", request=request.id, prompt_tokens=len(request.prompt), width=loop.width)
-    return [request] if request.finished else []
+    def scalar(self, request: Request, k: int) -> tuple[ScalarRounds, RoundOutput]:
+        """A started scalar loop (prefilled, first token out) drafting at most ``k``."""
+        ...
+
+    def batch(self, speculative: bool) -> BatchRounds: ...
+
+    def admit(self, loop: BatchRounds, requests: list[Request]) -> RoundOutput:
+        """Prefill ``requests`` into ``loop``; first tokens out, failures and ends in ``done``."""
+        ...
+
+    def retire(self, loop: ScalarRounds) -> None:
+        """A finished scalar loop offers its KV to the prompt cache."""
+        ...
+
+    def gauges(self) -> dict: ...
 
 
 def take(waiting: collections.deque, n: int) -> list[Request]:
     return [waiting.popleft() for _ in range(min(n, len(waiting)))]
-
-
-def build_scheduler(target, drafter, config, stats) -> Scheduler:
-    from .machine import SpecMachine
-    return SpecMachine(target, drafter, config, stats)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .machine import STATES, TRANSITIONS, build_machine
+from .machine import GUARDS, ROUNDS, STATES, TRANSITIONS, build_machine
 
 CHART = Path("statecharts") / "machine.mmd"
 
@@ -36,6 +36,9 @@ def render() -> str:
     notes = ["", "  %% Idle is the diagram's [*]. Why each edge exists:"]
     for trigger, source, dest, guard, hook, why in TRANSITIONS:
         notes.append(f"  %% {trigger} ({'/'.join(source) if isinstance(source, list) else source} -> {dest}): {why}")
+    notes += ["", "  %% Each state's round, in order (machine.ROUNDS); a trigger? that fires ends the round:"]
+    for state, steps in ROUNDS.items():
+        notes.append(f"  %% {state}: " + " > ".join(f"{s}?" if s in GUARDS else s for s in steps))
     return "\n".join(lines + notes) + "\n"
 
 

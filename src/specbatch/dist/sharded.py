@@ -15,7 +15,7 @@ import structlog
 from ..config import EngineConfig, load_pair
 from ..core import EngineCore
 from ..engine import Engine
-from ..machine import SpecMachine, make_drafter
+from ..kernels import build_scheduler, make_drafter
 from ..models import LoadedModel, demo_pair, load
 from ..plan import Plan
 from .peers import Peers, PeerLost, is_peer_failure
@@ -83,8 +83,8 @@ def sharded_engine(model: str | None = None, draft_model: str | None = None, *,
     def relay(source, runner, batch):
         return RelayDrafter(make_drafter(source, runner, batch), peers, send_logits)
 
-    def machine(t, d, c, stats):
-        return SpecMachine(t, d, c, stats, drafter_factory=relay)
+    def machine(t, d, c, stats, deliver):
+        return build_scheduler(t, d, c, stats, deliver, drafter_factory=relay)
 
     engine = Engine(target, drafter, config, scheduler_factory=machine, lockstep=DriverLink(peers))
     peers.watch(on_hang=engine._fail)
@@ -104,8 +104,8 @@ def follow(peers: Peers, target: LoadedModel) -> dict:
     def echo(source, runner, batch):
         return EchoDrafter(peers, target.vocab_size, send_logits)
 
-    def machine(t, d, c, stats):
-        return SpecMachine(t, d, c, stats, drafter_factory=echo)
+    def machine(t, d, c, stats, deliver):
+        return build_scheduler(t, d, c, stats, deliver, drafter_factory=echo)
 
     # the same core the driver's engine steps, fed the driver's plans instead of its own
     core = EngineCore(target, REMOTE_DRAFTER if hello["speculative"] else None, config,

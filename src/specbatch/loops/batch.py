@@ -25,10 +25,11 @@ import structlog
 
 from ..kv import BatchKV
 from ..drafters.base import Capture
+from ..output import RoundOutput
 from ..request import Request
 from ..runner import TargetRunner, prefill, prefill_batch
 from ..sampling import RowSampling, positions_from, sample
-from .verify import RoundResult, bonus_hidden, last_hidden, next_k, spec_round
+from .verify import bonus_hidden, last_hidden, next_k, spec_round
 
 log = structlog.get_logger(__name__)
 
@@ -64,7 +65,7 @@ class BatchLoop:
         return self._lookahead is None
 
     # -- admission --------------------------------------------------------------------
-    def admit(self, request: Request, cache: list | None = None) -> None:
+    def admit(self, request: Request, cache: list | None = None) -> RoundOutput:
         """Prefill one request, emit its first token and add it as a row (if it goes on).
 
         Armed, the row joins the drafter too; the machine admits into an armed loop only
@@ -75,12 +76,13 @@ class BatchLoop:
         logits = prefill(self.target, request.prompt[have:], single)  # [1, V]
         rows = RowSampling.of([request.params])
         first = sample(logits[:, None, :], rows, positions_from([0], 1)).item()
-        if request.emit(first):
-            return
-        self.add_row(Row(request, first, request.prompt[-1]), BatchKV.from_singles(single),
-                     last_hidden(self.target))
+        out = RoundOutput()
+        if not out.emit(request, first):
+            self.add_row(Row(request, first, request.prompt[-1]), BatchKV.from_singles(single),
+                         last_hidden(self.target))
+        return out
 
-    def admit_many(self, requests: list[Request]) -> None:
+    def admit_many(self, requests: list[Request]) -> RoundOutput:
         """Prefill several requests in one left-padded forward; emit each first token and
         add the rows that go on (a burst costs one prefill, not one per request)."""
         assert self.settled, "admit only between settled rounds"
@@ -88,9 +90,10 @@ class BatchLoop:
         hidden = last_hidden(self.target)  # [B, D] or None
         rows = RowSampling.of([r.params for r in requests])
         firsts = sample(logits[:, None, :], rows, positions_from([0] * len(requests), 1))[:, 0].tolist()
-        keep = [i for i, (r, t) in enumerate(zip(requests, firsts)) if not r.emit(t)]
+        out = RoundOutput()
+        keep = [i for i, (r, t) in enumerate(zip(requests, firsts)) if not out.emit(r, t)]
         if not keep:
-            return
+            return out
         if len(keep) < len(requests):
             kv.filter(keep)
             hidden = None if hidden is None else hidden[mx.array(keep)]
@@ -100,6 +103,7 @@ class BatchLoop:
         self._sampling = None
         if self.armed:
             self.drafter.add_rows([_history(r) for r in new], hidden=hidden)
+        return out
 
     def add_row(self, row: Row, kv: BatchKV, hidden=None) -> None:
         """Append a row whose target KV holds everything before ``row.pending``."""
@@ -110,25 +114,25 @@ class BatchLoop:
         if self.armed:
             self.drafter.add_rows([_history(row)], hidden=hidden)
 
-    def rebuild(self, handoff) -> None:
+    def rebuild(self, handoff) -> RoundOutput:
         """The rebuild entry: a preempted scalar request joins, unarmed, from its handoff.
 
         Its verified, undelivered tokens go out first (their KV is already cached); it
         restarts from the round's bonus token with its real emitted count."""
-        request = handoff.request
+        request, out = handoff.request, RoundOutput()
         for token in handoff.undelivered:
-            if request.emit(token):
-                return
+            if out.emit(request, token):
+                return out
         self.add_row(Row(request, handoff.pending, handoff.prev), BatchKV.from_singles(handoff.target_cache))
+        return out
 
     # -- arming ---------------------------------------------------------------------------
-    def capture_round(self) -> int:
-        """Settle, emit one token per row at plain cost, cold-start the drafter; arm."""
-        emitted = self.settle()
-        emitted += self.plain_round(successor=False)
+    def capture_round(self) -> RoundOutput:
+        """Emit one token per row at plain cost (settled first), cold-start the drafter; arm."""
+        out = self.settle().merge(self.plain_round(successor=False))
         self.drafter.cold_start(Capture([_history(r) for r in self.rows], last_hidden(self.target)))
         self.armed = True
-        return emitted
+        return out
 
     def disarm(self) -> None:
         """Gate: plain rounds from here on; the drafter drops its rows."""
@@ -141,13 +145,12 @@ class BatchLoop:
         plain rounds). Adaptive rounds keep their current length where it is smaller."""
         self.k, self.k_now = k, (min(self.k_now, k) if self.adaptive else k)
 
-    def spec_round(self) -> RoundResult | None:
+    def spec_round(self) -> RoundOutput:
         """One armed round: draft, verify, accept, emit per row, roll back per row."""
         assert self.settled and self.armed
         k = min(self.k_now, max(r.request.remaining for r in self.rows) - 1)
         if k < 1:
-            self.plain_round(successor=False)
-            return None
+            return self.plain_round(successor=False)
         result = spec_round(self.target, self.kv.layers, self.drafter, [r.pending for r in self.rows],
                             [r.prev for r in self.rows], self._rows_sampling(),
                             [r.request.emitted for r in self.rows], k, self.verify, coupled=False)
@@ -156,13 +159,14 @@ class BatchLoop:
         back = [k - a for a in result.accepted]
         self.kv.trim_rows(back)
         self.drafter.rollback(back, hidden=bonus_hidden(self.target, result.accepted))
+        out = RoundOutput(verify=result, verified=[r.request for r in self.rows], round=True)
         for row, run in zip(self.rows, result.emitted):
             for token in run:
-                if row.request.emit(token):
+                if out.emit(row.request, token):
                     break  # finished inside the accepted run: nothing after it
             row.prev, row.pending = (run[-2] if len(run) > 1 else row.pending), run[-1]
         self.rounds += 1
-        return result
+        return out
 
     def reap(self) -> list[Request]:
         """Remove finished and cancelled rows (between settled rounds); return them."""
@@ -202,8 +206,8 @@ class BatchLoop:
         positions = positions_from([r.request.emitted + ahead for r in self.rows], 1)
         return sample(logits, self._rows_sampling(), positions)[:, 0]
 
-    def plain_round(self, successor: bool = True) -> int:
-        """One token per live row; returns how many tokens went out."""
+    def plain_round(self, successor: bool = True) -> RoundOutput:
+        """One token per live row."""
         if self._lookahead is None:
             pending = mx.array([r.pending for r in self.rows], dtype=mx.int32)
             self._lookahead = self._dispatch(pending, 0)
@@ -214,19 +218,27 @@ class BatchLoop:
             mx.async_eval(self._lookahead)
         else:
             self._lookahead = None
-        emitted = 0
+        out = RoundOutput(round=True)
         for row, token in zip(self.rows, current.tolist()):
             if row.request.finished:
                 continue  # its successor slot is discarded at the next settle
             row.prev, row.pending = row.pending, token
-            row.request.emit(token)
-            emitted += 1
+            out.emit(row.request, token)
         self.rounds += 1
-        return emitted
+        return out
 
-    def settle(self) -> int:
-        """Consume an in-flight lookahead (emitting its tokens); a no-op when settled."""
-        return 0 if self.settled else self.plain_round(successor=False)
+    def settle(self) -> RoundOutput:
+        """Consume an in-flight lookahead (emitting its tokens); a no-op when settled.
+        Not a round of its own: the forward ran in the round that dispatched it."""
+        if self.settled:
+            return RoundOutput()
+        out = self.plain_round(successor=False)
+        out.round = False
+        return out
+
+    def memory(self) -> dict:
+        return {"kv_bytes": self.kv.nbytes, "kv_used_bytes": self.kv.used_bytes(),
+                "drafter_kv_bytes": self.drafter.nbytes() if self.drafter else 0}
 
 
 

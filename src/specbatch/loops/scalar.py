@@ -14,6 +14,7 @@ import collections
 import attrs
 import mlx.core as mx
 
+from ..output import RoundOutput
 from ..request import Request
 from ..runner import TargetRunner, prefill
 from ..sampling import RowSampling, positions_from, sample
@@ -50,14 +51,14 @@ class ScalarLoop:
         self._buffer: collections.deque[int] = collections.deque()
         self._rows = RowSampling.of([request.params])
         self.pending = self.prev = -1
-        self.last_round: RoundResult | None = None
+        self.last_round: RoundResult | None = None  # this step's verify round, if one ran
 
     def limit_draft(self, k: int) -> None:
         """Draft at most ``k`` per round from now on (the schedule's k at this width; 0:
         plain rounds). Adaptive rounds keep their current length where it is smaller."""
         self.k, self.k_now = k, (min(self.k_now, k) if self.adaptive else k)
 
-    def start(self, cache: list | None = None) -> None:
+    def start(self, cache: list | None = None) -> RoundOutput:
         """Prefill, emit the first token, and prefill the drafter's copy of the history."""
         if cache is not None:
             self.cache = cache
@@ -65,22 +66,31 @@ class ScalarLoop:
         logits = prefill(self.target, self.request.prompt[have:], self.cache)
         first = sample(logits[:, None, :], self._rows, positions_from([0], 1)).item()
         self.prev, self.pending = self.request.prompt[-1], first
-        if not self.request.emit(first) and self.drafter is not None:
+        out = RoundOutput()
+        if not out.emit(self.request, first) and self.drafter is not None:
             self.drafter.add_rows([self.request.prompt + [first]], hidden=last_hidden(self.target))
+        return out
 
     @property
     def finished(self) -> bool:
         return self.request.finished
 
-    def step(self) -> int:
-        """Deliver one token (running a round when none is buffered); returns 1."""
+    def step(self) -> RoundOutput:
+        """Deliver one token (running a round when none is buffered)."""
         self.last_round = None
         if not self._buffer:
             self._round()
-        token = self._buffer.popleft()
-        if self.request.emit(token):
+        out = RoundOutput(round=True)
+        if self.last_round is not None:
+            out.verify, out.verified = self.last_round, [self.request]
+        if out.emit(self.request, self._buffer.popleft()):
             self._buffer.clear()  # nothing after a finish goes out
-        return 1
+        return out
+
+    def memory(self) -> dict:
+        kv = sum(c.nbytes for c in self.cache)
+        return {"kv_bytes": kv, "kv_used_bytes": kv,
+                "drafter_kv_bytes": self.drafter.nbytes() if self.drafter else 0}
 
     def _round(self) -> None:
         k = min(self.k_now, self.request.remaining - 1)
