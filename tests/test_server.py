@@ -242,3 +242,32 @@ def test_the_room_follows_max_model_len(model_dir):
         assert httpx.post(f"{served.url}/v1/completions", json={"prompt": [7] * 60, "max_tokens": 4}).status_code == 200
     finally:
         served.close()
+
+
+def test_n_completions_each_equal_the_request_alone_with_its_derived_seed(spec_server):
+    from specbatch.server.fanout import derive_seed
+    kw = dict(model="tiny", prompt="def g(y):", max_tokens=16, temperature=0.8)
+    many = spec_server.client.completions.create(n=3, seed=41, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    alone = [spec_server.client.completions.create(seed=derive_seed(41, i), **kw) for i in range(3)]
+    assert [c.text for c in many.choices] == [a.choices[0].text for a in alone] and derive_seed(41, 0) == 41
+    assert len({a.choices[0].text for a in alone}) > 1  # the completions differ
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens
+
+
+def test_n_streams_carry_each_index_then_done(spec_server):
+    chat = spec_server.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x = 1"}], n=2, max_tokens=8, temperature=0.7, seed=5,
+        stream=True, stream_options={"include_usage": True})
+    texts, finished, usage = {0: "", 1: ""}, set(), None
+    for chunk in chat:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+        usage = chunk.usage or usage
+    assert finished == {0, 1} and 2 <= usage.completion_tokens <= 16
+    whole = spec_server.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x = 1"}], n=2, max_tokens=8, temperature=0.7, seed=5)
+    assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from ..errors import EngineClosed, InvalidRequest, QueueFull
 from .drain import Drain, until_done_or_stopped
+from .fanout import merge, siblings
 from .guard import Guard, error_response
 from .metrics import render_metrics
 from .schemas import APIError, Parsed, load_json, parse_chat, parse_completion
@@ -54,13 +55,15 @@ class API:
             raise APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
         return load_json(raw)
 
-    def prepare(self, parsed: Parsed):
-        """Validate fully before any byte is sent: the model, the prompt, the budget, the queue."""
+    def prepare(self, parsed: Parsed) -> list:
+        """Validate fully before any byte is sent: the model, the prompt, the budget, the queue.
+        One engine request per completion (``n``), each with its derived seed."""
         if parsed.model is not None and parsed.model not in self.names:
             raise APIError(404, f"The model {parsed.model!r} does not exist; this server serves {self.name!r}",
                            "model", "model_not_found")
         try:
-            req = self.engine.prepare(parsed.prompt, parsed.params)
+            first = self.engine.prepare(parsed.prompt, parsed.params)  # gives it a seed if it had none
+            reqs = [first] + [self.engine.prepare(first.prompt, p) for p in siblings(first.params, parsed.n)[1:]]
         except InvalidRequest as exc:
             raise APIError(400, exc.message, exc.param, exc.code or "invalid_value") from None
         except (ValueError, TypeError) as exc:
@@ -69,8 +72,8 @@ class API:
             raise APIError(503, str(exc), None, "queue_full", "server_error", {"Retry-After": "1"}) from None
         except EngineClosed as exc:
             raise APIError(503, str(exc), None, "shutting_down", "server_error", {"Retry-After": "5"}) from None
-        self.check_room(parsed, req)
-        return req
+        self.check_room(parsed, first)
+        return reqs
 
     def check_room(self, parsed: Parsed, req) -> None:
         """An explicit budget past the context is a 400 stating the room, as vLLM answers (the
@@ -88,42 +91,47 @@ class API:
         try:
             body = await self.read_json(request)
             parsed = parse_chat(body, self.engine.tokenizer) if chat else parse_completion(body)
-            req = self.prepare(parsed)
+            reqs = self.prepare(parsed)
             watch = self.drain.open()
         except APIError as err:
             return error_response(err)
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, self.name, int(time.time()),
                       self.fingerprint, parsed.include_usage)
-        events = self.engine.stream_request(req)
+        streams = self.engine.stream_requests(reqs)  # one arrival: prefilled and decoded together
+        events = merge(streams)
 
         async def close():  # whatever ended the response: the engine stops its work, the drain forgets it
             await events.aclose()
-            if not req.handle.done:
-                self.engine.cancel(req.handle)
-                log.info("request_abandoned", request=req.id, reason=watch.reason or "handler_ended")
+            for stream in streams:
+                await stream.aclose()
+            for req in reqs:
+                if not req.handle.done:
+                    self.engine.cancel(req.handle)
+                    log.info("request_abandoned", request=req.id, reason=watch.reason or "handler_ended")
             self.drain.close(watch)
 
-        headers = {"x-request-seed": str(req.params.seed)}  # replays an unseeded request exactly
+        # replays an unseeded request exactly (one seed per completion)
+        headers = {"x-request-seed": ",".join(str(r.params.seed) for r in reqs)}
+        handles = [r.handle for r in reqs]
         if parsed.stream:
-            return EventStream(sse(events, reply, req.handle), watch, close, headers)
+            return EventStream(sse(events, reply, handles), watch, close, headers)
         listener = asyncio.ensure_future(watch.listen(request.receive))
         try:
-            outcome = await until_done_or_stopped(_collect(events), watch)
+            outcome = await until_done_or_stopped(_collect(events, len(reqs)), watch)
         finally:
             listener.cancel()
             await close()
-        return self.whole(reply, req, outcome, watch.reason, headers)
+        return self.whole(reply, handles, outcome, watch.reason, headers)
 
-    def whole(self, reply: Reply, req, outcome, stopped: str | None, headers: dict) -> Response:
+    def whole(self, reply: Reply, handles: list, outcome, stopped: str | None, headers: dict) -> Response:
         if outcome is None:  # cut by the drain, or nobody is left to read it
             return error_response(SHUTTING_DOWN) if stopped == "shutdown" else Response(status_code=499)
-        text, finish, error = outcome
-        if finish == "error":
-            return error_response(APIError(500, error or "generation failed", None, "generation_failed",
+        failed = [error for _, finish, error in outcome if finish == "error"]
+        if failed:
+            return error_response(APIError(500, failed[0] or "generation failed", None, "generation_failed",
                                            "server_error"))
-        done = req.handle.result(0)  # complete before its last event was pushed: never blocks
-        finish = "stop" if finish == "cancelled" else finish
-        return JSONResponse(reply.whole(text, finish, usage_of(done)), headers=headers)
+        choices = [(text, "stop" if finish == "cancelled" else finish) for text, finish, _ in outcome]
+        return JSONResponse(reply.whole(choices, usage_of(handles)), headers=headers)
 
     async def completions(self, request: Request):
         return await self.generate(request, chat=False)
@@ -151,12 +159,13 @@ class API:
         return error_response(APIError(500, "internal server error", None, "internal_error", "server_error"))
 
 
-async def _collect(events) -> tuple[str, str | None, str | None]:
-    text, finish, error = [], None, None
-    async for event in events:
-        text.append(event.text)
-        finish, error = event.finish_reason, event.error
-    return "".join(text), finish, error
+async def _collect(events, n: int) -> list[tuple[str, str | None, str | None]]:
+    """(text, finish_reason, error) per completion, from the merged (index, event) stream."""
+    texts, ends = [[] for _ in range(n)], [(None, None)] * n
+    async for i, event in events:
+        texts[i].append(event.text)
+        ends[i] = (event.finish_reason, event.error)
+    return [("".join(t), *end) for t, end in zip(texts, ends)]
 
 
 def create_app(engine, model_name: str | None = None, api_key: str | None = None,

@@ -12,6 +12,8 @@ import math
 
 import attrs
 
+from .fanout import MAX_N
+
 from ..sampling import INT32_MAX, SamplingParams
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -38,6 +40,7 @@ class Parsed:
     include_usage: bool
     model: str | None
     max_tokens_param: str | None  # the key the client set the budget with; None: the default
+    n: int = 1  # completions of this prompt
 
 
 def load_json(raw: bytes):
@@ -107,8 +110,6 @@ def _max_tokens(body: dict) -> tuple[int, str | None]:
 
 def _sampling(body: dict) -> tuple[SamplingParams, str | None]:
     max_tokens, max_param = _max_tokens(body)
-    if _int(body, "n", 1) != 1:
-        raise APIError(400, "only n = 1 is supported", "n", "unsupported_value")
     top_k = _int(body, "top_k", 0, -1, INT32_MAX)
     fields = dict(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0),
                   top_p=_float(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0),  # -1: vLLM's "off"
@@ -133,7 +134,8 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
 def _parsed(body: dict, prompt) -> Parsed:
     stream, include = _stream_options(body)
     params, max_param = _sampling(body)
-    return Parsed(prompt, params, stream, include, _typed(body, "model", str), max_param)
+    n = _int(body, "n", 1, 1, MAX_N)
+    return Parsed(prompt, params, stream, include, _typed(body, "model", str), max_param, n)
 
 
 def parse_completion(body) -> Parsed:

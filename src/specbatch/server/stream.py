@@ -34,24 +34,30 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
-    def chunk(self, text: str, finish: str | None) -> dict:
+    def chunk(self, text: str, finish: str | None, index: int = 0) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text} if text or not finish else {}, "finish_reason": finish}
+            choice = {"index": index, "delta": {"content": text} if text or not finish else {},
+                      "finish_reason": finish}
             return self.envelope("chat.completion.chunk", [choice])
-        return self.envelope("text_completion", [{"index": 0, "text": text, "logprobs": None,
+        return self.envelope("text_completion", [{"index": index, "text": text, "logprobs": None,
                                                   "finish_reason": finish}])
 
-    def whole(self, text: str, finish: str, usage: dict) -> dict:
+    def whole(self, outcomes: list, usage: dict) -> dict:
+        """``outcomes``: (text, finish_reason) per completion, in index order."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-            return self.envelope("chat.completion", [choice], usage=usage)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return self.envelope("text_completion", [choice], usage=usage)
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                       for i, (text, finish) in enumerate(outcomes)]
+            return self.envelope("chat.completion", choices, usage=usage)
+        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                   for i, (text, finish) in enumerate(outcomes)]
+        return self.envelope("text_completion", choices, usage=usage)
 
 
-def usage_of(done) -> dict:
-    return {"prompt_tokens": done.usage.prompt_tokens, "completion_tokens": done.usage.completion_tokens,
-            "total_tokens": done.usage.total_tokens}
+def usage_of(handles) -> dict:
+    """One prompt's tokens (the n completions share it) and every completion's tokens."""
+    done = [h.result(0) for h in handles]  # complete before their last events were pushed: never blocks
+    prompt, completion = done[0].usage.prompt_tokens, sum(d.usage.completion_tokens for d in done)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def data(obj) -> str:
@@ -61,13 +67,15 @@ def data(obj) -> str:
 DONE = "data: [DONE]\n\n"
 
 
-async def sse(events, reply: Reply, handle) -> AsyncIterator[str]:
-    """The engine's events as SSE lines, ending with ``[DONE]`` (after an error event, too)."""
+async def sse(events, reply: Reply, handles: list) -> AsyncIterator[str]:
+    """The engine's (index, event) pairs as SSE lines, ending with ``[DONE]`` (after an
+    error event, too)."""
     if reply.chat:
-        first = reply.chunk("", None)
-        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        yield data(first)
-    async for event in events:
+        for i in range(len(handles)):
+            first = reply.chunk("", None, i)
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            yield data(first)
+    async for i, event in events:
         if event.finish_reason == "error":
             yield data(APIError(500, event.error or "generation failed", None, "generation_failed",
                                 "server_error").body())
@@ -75,11 +83,10 @@ async def sse(events, reply: Reply, handle) -> AsyncIterator[str]:
         if event.finish_reason == "cancelled":
             break
         if event.text or event.finish_reason:
-            yield data(reply.chunk(event.text, event.finish_reason))
+            yield data(reply.chunk(event.text, event.finish_reason, i))
     if reply.include_usage:
-        usage = usage_of(handle.result(0))  # complete before its last event was pushed: never blocks
         kind = "chat.completion.chunk" if reply.chat else "text_completion"
-        yield data(reply.envelope(kind, [], usage=usage))
+        yield data(reply.envelope(kind, [], usage=usage_of(handles)))
     yield DONE
 
 
