@@ -59,6 +59,7 @@ class LoopKernels:
         loop.limit_draft(k)
         cache, reused = self.prompt_cache.lookup(request.prompt)
         out = loop.start(cache)
+        self.prompt_cache.offer(request, loop.cache)  # arrivals while it runs reuse its prompt
         log.info("admit", reused=reused, request=request.id, loop="scalar", prompt_tokens=len(request.prompt))
         return loop, out
 
@@ -70,7 +71,10 @@ class LoopKernels:
         return loop
 
     def admit(self, loop: BatchLoop, requests: list[Request]) -> RoundOutput:
-        return admit_each(loop, requests, self.prompt_cache)
+        self.prompt_cache.warm(self.runner, [r.prompt for r in requests])  # a shared prefix, once
+        out = admit_each(loop, requests, self.prompt_cache)
+        self.prompt_cache.offer_rows(loop)  # later arrivals reuse these prompts
+        return out
 
     def retire(self, loop: ScalarLoop) -> None:
         if retires(loop.request):
@@ -84,7 +88,9 @@ class LoopKernels:
 
 def build_kernels(target, drafter, config, drafter_factory=make_drafter) -> LoopKernels:
     """Kernels over ``target`` (a LoadedModel); ``drafter``: its source, or None."""
-    return LoopKernels(ModelRunner(target.model), config, drafter if config.speculation else None,
+    runner = ModelRunner(target.model)
+    runner.kv_bits = config.kv_bits  # the batch loop's KV storage (BatchKV.empty reads it)
+    return LoopKernels(runner, config, drafter if config.speculation else None,
                        drafter_factory, PromptCache(config.prompt_cache_bytes),
                        kv_bytes_per_token(target.model))
 
