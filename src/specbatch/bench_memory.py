@@ -62,6 +62,25 @@ def _round(model, kv: BatchKV, n: int, rng: random.Random) -> float:
     return time.perf_counter() - t0
 
 
+def _kv_side(kv: BatchKV, heads: int, n: int, rng: random.Random) -> float:
+    """The part of a round the layout changes: every layer's append, fetch and attention
+    of ``n`` positions per row (no weight matmuls), then a per-row rollback."""
+    B = kv.width
+    H, D = kv.layers[0].keys.shape[1], kv.layers[0].keys.shape[3]
+    new = mx.random.normal((B, H, n, D))  # [B, H, n, D]
+    q = mx.random.normal((B, heads, n, D))  # [B, Hq, n, D]
+    mx.eval(new, q)
+    t0 = time.perf_counter()
+    mask = kv.layers[0].make_mask(n)
+    outs = []
+    for layer in kv.layers:
+        keys, values = layer.update_and_fetch(new, new)
+        outs.append(mx.fast.scaled_dot_product_attention(q, keys, values, scale=D ** -0.5, mask=mask).sum())
+    mx.eval(outs)
+    kv.trim_rows([rng.randrange(0, n) if n > 1 else 0 for _ in range(B)])
+    return time.perf_counter() - t0
+
+
 def layout_rows(model, widths=(1, 4, 16), k: int = 4, repeats: int = 5) -> list[dict]:
     rows = []
     for width in widths:
@@ -73,14 +92,21 @@ def layout_rows(model, widths=(1, 4, 16), k: int = 4, repeats: int = 5) -> list[
             mx.eval(caches[name].arrays())
         del base
         times = {(name, n): [] for name in caches for n in (1, k + 1)}
+        side = {(name, n): [] for name in caches for n in (1, k + 1)}
         rng = random.Random(0)
+        heads = model.args.num_attention_heads
         for _ in range(repeats):  # interleaved: the machine's noise hits every layout alike
             for (name, n), got in times.items():
                 got.append(_round(model, caches[name], n, rng))
+            for _ in range(3):
+                for (name, n), got in side.items():
+                    got.append(_kv_side(caches[name], heads, n, rng))
         for name, kv in caches.items():
             rows.append({"width": width, "layout": name, "tokens": sum(kv.lengths()),
                          "step_ms": 1e3 * statistics.median(times[(name, 1)]),
                          "verify_ms": 1e3 * statistics.median(times[(name, k + 1)]),
+                         "step_min_ms": 1e3 * min(times[(name, 1)]), "verify_min_ms": 1e3 * min(times[(name, k + 1)]),
+                         "kv_step_ms": 1e3 * min(side[(name, 1)]), "kv_verify_ms": 1e3 * min(side[(name, k + 1)]),
                          "alloc_mb": kv.nbytes / 2**20, "need_fp32_mb": _fp32_need(model, kv) / 2**20,
                          "alloc_over_need": kv.nbytes / _fp32_need(model, kv)})
             log.info("layout_row", **rows[-1])
