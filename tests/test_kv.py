@@ -160,3 +160,18 @@ def test_paged_allocation_close_to_need(tiny):
             assert ratio <= bound, (layout, ratio)
         else:
             assert ratio > 1.2  # the longest row pads every other one
+
+
+def test_engine_with_8bit_kv_serves_a_speculating_batch(tiny, tiny_draft):
+    """kv_bits=8 end to end: a speculating batch (per-row rollback every round) completes
+    every request; its batch KV is the 8-bit paged cache."""
+    from specbatch import Engine, SamplingParams
+    from specbatch.config import EngineConfig
+
+    with Engine(tiny, tiny_draft, EngineConfig(num_draft_tokens=3, speculative_width_cap=0, kv_bits=8)) as engine:
+        handles = [engine.submit(list(range(5, 5 + n)), SamplingParams(max_tokens=12, ignore_eos=True, seed=i))
+                   for i, n in enumerate([9, 30, 17, 4])]
+        results = [h.result(timeout=120) for h in handles]
+        stats = engine.stats()
+    assert [len(r.token_ids) for r in results] == [12] * 4
+    assert stats["spec_rounds"] > 0 and stats["accepted_tokens"] < stats["drafted_tokens"]  # rows rolled back
