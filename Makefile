@@ -5,7 +5,7 @@ RUN     := $(PY) -m specbatch.blas   # starts Python with OpenBLAS preloaded (Li
 PYTEST_ARGS ?=
 
 
-.PHONY: setup test lint test-fast demo bench calibrate serve statecharts clean demo-pair
+.PHONY: setup test lint test-fast demo bench calibrate serve statecharts clean demo-pair drafters
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -55,3 +55,13 @@ demo-pair: $(STAMP)
 		--tokens build/train/tokens.npz --generations build/self-distill/generations.npz
 	$(RUN) scripts/measure_pair.py --out $(DEMO)/speed.json
 	SPECBATCH_CALIBRATION=$(DEMO)/calibration.json .venv/bin/specbatch calibrate
+
+# Retrain the embedded target's drafters (about 95 minutes on 2 cores; every step is
+# resumable and time-boxed, work under build/drafters/): data, MTP head, draft model, then
+# measure them on the held-out prompts and install them in src/specbatch/demo_models
+# (the MTP head becomes the default drafter only if its measured tau clears 1.5).
+drafters: $(STAMP)
+	$(RUN) scripts/drafter_data.py --minutes 13
+	$(RUN) scripts/train_mtp_head.py --extract-minutes 20 --minutes 35
+	$(RUN) scripts/train_draft_model.py --minutes 30
+	$(RUN) scripts/measure_drafters.py --install

@@ -99,21 +99,18 @@ def evaluate(model, W, seqs, bs=4) -> dict:
 
 
 def save_folder(model, out: Path, meta: dict | None = None) -> None:
-    """An mlx-lm llama folder: 8-bit weights (group 32 for the embedding, as the target's GGUF
-    ships it; group 64 for the blocks), fp16 norms, the target's tokenizer files."""
+    """An mlx-lm llama folder: the (frozen, tied) embedding 8-bit in groups of 32 as the
+    target's GGUF ships it (so re-quantizing loses ~nothing), the blocks and norms fp16,
+    the target's tokenizer files."""
     out.mkdir(parents=True, exist_ok=True)
     q = llama.Model(model.args)
     q.load_weights(list(tree_flatten(model.parameters())))
     q.set_dtype(mx.float16)
 
-    def pred(path, module):
-        if not hasattr(module, "to_quantized"):
-            return False
-        return {"group_size": 32, "bits": 8} if path.endswith("embed_tokens") else True
-    nn.quantize(q, group_size=64, bits=8, class_predicate=pred)
+    nn.quantize(q, group_size=32, bits=8, class_predicate=lambda path, m: path.endswith("embed_tokens"))
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(q.parameters())), metadata={"format": "mlx"})
     cfg = draft_config(len(model.layers))
-    cfg["quantization"] = {"group_size": 64, "bits": 8, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    cfg["quantization"] = {"group_size": 32, "bits": 8}  # mlx-lm quantizes only layers saved with scales
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (target_folder() / name).exists():
@@ -126,6 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=22.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gen-repeat", type=int, default=2, help="times the target's own answers appear per epoch")
     ap.add_argument("--layers", default="0,1,2,3", help="target blocks the draft model starts from")
     ap.add_argument("--vocab", type=int, default=8192, help="kept vocabulary of the distillation loss")
     ap.add_argument("--batch", type=int, default=4)
@@ -137,8 +135,10 @@ def main() -> None:
     chunks = dc.load_chunks()
     train = dc.sequences_of([c for c in chunks if not is_val(c["name"])])
     val = dc.sequences_of([c for c in chunks if is_val(c["name"])])
+    unique_tokens = int(sum(len(s["tokens"]) for s in train))
+    train += [s for s in train if s["chunk"].startswith("gen")] * (args.gen_repeat - 1)  # in-distribution: seen more
     for s in train + val:  # the draft model needs no KV features
-        s.pop("keys"), s.pop("values")
+        s.pop("keys", None), s.pop("values", None)
     ntok = lambda ss: int(sum(len(s["tokens"]) for s in ss))  # noqa: E731
     print(f"train {ntok(train)} tokens, held-out {ntok(val)} tokens")
     order = np.load(dc.BUILD / "mtp" / "vocab_order.npy")
@@ -207,7 +207,7 @@ def main() -> None:
     bar.close()
     check(evaluate(model, W, val))
     meta = {"layers_from_target": layers, "steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2),
-            "tokens_seen": state["tokens_seen"], "train_tokens": ntok(train), "heldout_tokens": ntok(val),
+            "tokens_seen": state["tokens_seen"], "train_tokens_unique": unique_tokens, "gen_repeat": args.gen_repeat, "heldout_tokens": ntok(val),
             "loss_vocab": args.vocab, "lr": args.lr, "batch_seqs": args.batch, "seed": args.seed,
             "best": state["best"], "history": state["history"]}
     (OUT / "best" / "training.json").write_text(json.dumps(meta, indent=1))

@@ -58,6 +58,9 @@ def init_head(target, vocab_ids: np.ndarray, init: str, seed: int) -> MTPHead:
         head.block.load_weights(list(last.items()))
         D = cfg["hidden_size"]
         head.eh_proj.weight = mx.concatenate([mx.eye(D), mx.eye(D)], axis=1) * 0.5
+    else:  # random, the block's residual branches zeroed: it starts as a linear map of [emb; h]
+        head.block.self_attn.o_proj.weight = mx.zeros_like(head.block.self_attn.o_proj.weight)
+        head.block.mlp.down_proj.weight = mx.zeros_like(head.block.mlp.down_proj.weight)
     head.norm.weight = target.model.model.norm.weight
     head.vocab_ids = mx.array(vocab_ids, dtype=mx.int32)
     mx.eval(head.parameters())
@@ -171,11 +174,12 @@ def main() -> None:
     ap.add_argument("--extract-minutes", type=float, default=18.0)
     ap.add_argument("--minutes", type=float, default=30.0, help="training time box")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gen-repeat", type=int, default=2, help="times the target's own answers appear per epoch")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--unroll", type=int, default=3)
     ap.add_argument("--batch", type=int, default=4, help="sequences per step")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--init", choices=["last", "random"], default="last")
+    ap.add_argument("--init", choices=["last", "random"], default="random")
     ap.add_argument("--eval-every", type=float, default=120.0, help="seconds between held-out evaluations")
     ap.add_argument("--extract-only", choices=["gen", "text", "all"], help="cache features and stop")
     args = ap.parse_args()
@@ -193,6 +197,8 @@ def main() -> None:
     train_chunks = [c for c in chunks if not is_val(c["name"])]
     val_chunks = [c for c in chunks if is_val(c["name"])]
     train, val = dc.sequences_of(train_chunks), dc.sequences_of(val_chunks)
+    unique_tokens = int(sum(len(s["tokens"]) for s in train))
+    train += [s for s in train if s["chunk"].startswith("gen")] * (args.gen_repeat - 1)  # in-distribution: seen more
     ntok = lambda ss: int(sum(len(s["tokens"]) for s in ss))  # noqa: E731
     print(f"train {len(train)} seqs / {ntok(train)} tokens; held-out {len(val)} seqs / {ntok(val)} tokens")
 
@@ -282,7 +288,7 @@ def main() -> None:
         save_head(head, OUT / "best")
     save_state()
     summary = {"steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2), "tokens_seen": state["tokens_seen"],
-               "train_tokens": ntok(train), "heldout_tokens": ntok(val), "vocab": args.vocab, "unroll": S,
+               "train_tokens_unique": unique_tokens, "gen_repeat": args.gen_repeat, "heldout_tokens": ntok(val), "vocab": args.vocab, "unroll": S,
                "init": args.init, "lr": args.lr, "batch_seqs": args.batch, "seed": args.seed,
                "best": state["best"], "history": state["history"]}
     (OUT / "best" / "training.json").write_text(json.dumps(summary, indent=1))
