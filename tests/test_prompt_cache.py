@@ -99,3 +99,12 @@ def test_memory_bound_holds_and_entries_are_copies(tiny):
     for e in cache._entries.values():
         assert e.caches[0].keys.shape[2] == len(e.tokens)  # no slack kept
     assert isinstance(e.caches[0], KVCache)
+
+
+def test_a_bound_too_small_for_the_prefix_skips_the_work(tiny):
+    runner = CountingRunner(tiny.model)
+    cache = PromptCache(max_bytes=1024)  # less than one 50-token entry
+    prompts = [SYSTEM + [100 + i, 200 + i] for i in range(4)]
+    cache.warm(runner, prompts)  # the first prefill learns that nothing of this size fits
+    cache.warm(runner, prompts)
+    assert runner.tokens == len(SYSTEM) and len(cache) == 0

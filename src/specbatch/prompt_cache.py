@@ -56,6 +56,8 @@ class PromptCache:
         self._entries: collections.OrderedDict[tuple[int, ...], Entry] = collections.OrderedDict()
         self.nbytes = 0
         self.hits = self.misses = 0
+        self.reused_tokens = self.warmed_tokens = 0  # prompt tokens served from entries; prefilled by warm
+        self.token_bytes = 0  # learnt at the first retire: skip work whose entry could not fit
         self._offered: set[str] = set()  # request ids whose prompt went in at admission
 
     def retire(self, tokens: list[int], caches: list[KVCache]) -> None:
@@ -68,6 +70,7 @@ class PromptCache:
             self._entries.move_to_end(key)
             return
         nbytes = sum(c.keys[..., :n, :].nbytes + c.values[..., :n, :].nbytes for c in caches)
+        self.token_bytes = nbytes // n
         if nbytes > self.max_bytes:
             return
         for old in [k for k in self._entries if k == key[:len(k)]]:  # covered by the new entry
@@ -96,6 +99,7 @@ class PromptCache:
             return None, 0
         self._entries.move_to_end(best.tokens)
         self.hits += 1
+        self.reused_tokens += best_n
         return _cut(best.caches, best_n), best_n
 
     def warm(self, runner, prompts: list[list[int]]) -> None:
@@ -107,11 +111,12 @@ class PromptCache:
         for i, prompt in enumerate(prompts):
             shared = max((min(_common(tuple(prompt), other), len(prompt) - 1, len(other) - 1)
                           for j, other in enumerate(prompts) if j != i), default=0)
-            if shared < self.min_tokens or self._best(prompt)[1] >= shared:
+            if shared < self.min_tokens or self._best(prompt)[1] >= shared or not self._fits(shared):
                 continue
             cache = runner.make_cache()
             prefill(runner, prompt[:shared], cache)
             self.retire(prompt[:shared], cache)
+            self.warmed_tokens += shared
             log.info("prefix_warm", tokens=shared)
 
     def offer(self, request, caches) -> None:
@@ -119,8 +124,13 @@ class PromptCache:
         if self.max_bytes <= 0 or request.id in self._offered or len(request.prompt) <= self.min_tokens:
             return
         self._offered.add(request.id)
-        if self._best(request.prompt)[1] < len(request.prompt) - 1:  # not already covered
+        n = len(request.prompt) - 1
+        if self._best(request.prompt)[1] < n and self._fits(n):  # not already covered, and room
             self.retire(request.prompt[:-1], caches() if callable(caches) else caches)
+
+    def _fits(self, n: int) -> bool:
+        """Whether an entry of ``n`` tokens could be kept (unknown before the first retire)."""
+        return n * self.token_bytes <= self.max_bytes
 
     def offer_rows(self, loop) -> None:
         """Offer the prompts of rows admitted since the last call (their KV holds them), so
