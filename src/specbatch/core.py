@@ -25,6 +25,7 @@ from .models import LoadedModel
 from .kernels import build_scheduler
 from .output import Delivery
 from .plan import Lockstep, Plan, PlanRunner, fingerprint
+from .logprobs import TokenLogprob
 from .request import Completion, Request, RequestHandle, TokenEvent
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -55,6 +56,7 @@ class StepEvent:
     finish_reason: str | None = None
     error: str | None = None
     completion: Completion | None = None  # the whole result, on the last event only
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked
 
 
 class _Collector:
@@ -79,9 +81,11 @@ class _Collector:
             last = events[-1]
             if last.finish_reason is not None:  # nothing more comes: the handle stops pointing here
                 handle._observers.clear()
+            lps = [e.logprob for e in events if e.logprob is not None]
             out.append(StepEvent(rid, [e.token for e in events if e.token is not None],
                                  "".join(e.text for e in events), last.finish_reason, last.error,
-                                 handle._completion if last.finish_reason is not None else None))
+                                 handle._completion if last.finish_reason is not None else None,
+                                 lps or None))
         return out
 
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 class RowOutput:
     request: Request
     tokens: list[int] = attrs.field(factory=list)  # appended this call, in order
+    logprobs: list = attrs.field(factory=list)  # parallel to tokens: TokenLogprob, or None (not asked)
     finished: bool = False  # one of them ended the request
 
 
@@ -36,10 +37,12 @@ class RoundOutput:
     round: bool = False  # a decode round ran (the ``rounds`` counter)
     done: list = attrs.field(factory=list)  # requests that left without joining (admission)
 
-    def emit(self, request: Request, token: int) -> bool:
-        """Append ``token`` to the request; True when the ids alone end it."""
+    def emit(self, request: Request, token: int, logprob=None) -> bool:
+        """Append ``token`` (with its ``TokenLogprob`` if the request asked) to the request;
+        True when the ids alone end it."""
         row = self.rows.setdefault(request.id, RowOutput(request))
         row.tokens.append(token)
+        row.logprobs.append(logprob)
         row.finished = request.append(token)
         return row.finished
 
@@ -47,6 +50,7 @@ class RoundOutput:
         for rid, row in other.rows.items():
             mine = self.rows.setdefault(rid, RowOutput(row.request))
             mine.tokens += row.tokens
+            mine.logprobs += row.logprobs
             mine.finished = row.finished
         if other.verify is not None:
             self.verify, self.verified = other.verify, other.verified
@@ -70,10 +74,13 @@ class Delivery:
         for rid, row in out.rows.items():
             request, pieces = row.request, texts[rid]
             for i, (token, text) in enumerate(pieces):
+                logprob = row.logprobs[i]
+                if logprob is not None:  # only delivered tokens: a stop string cut the rest
+                    request.logprobs.append(logprob)
                 if i == len(pieces) - 1 and request.finished:
-                    self.close(request, token, text)
+                    self.close(request, token, text, logprob)
                 else:
-                    request.handle._push(_event(request, request.emitted - len(pieces) + i, token, text))
+                    request.handle._push(_event(request, request.emitted - len(pieces) + i, token, text, logprob))
 
     def _detokenise(self, row: RowOutput) -> list[tuple[int, str]]:
         """Each new token's text; a stop string ends the row at the token that completes it
@@ -96,7 +103,8 @@ class Delivery:
             pieces[-1] = (token, text + request.stream.finish())
         return pieces
 
-    def close(self, request: Request, token: int | None = None, text: str | None = None) -> None:
+    def close(self, request: Request, token: int | None = None, text: str | None = None,
+              logprob=None) -> None:
         """Complete a finished request, then push its last event (so whoever sees that
         event finds the result ready). Closing twice does nothing."""
         if request.handle.done:
@@ -105,12 +113,12 @@ class Delivery:
             text = request.stream.finish() if request.finish_reason != "error" else ""
         request.handle._complete(request.completion())
         index = request.emitted - 1 if token is not None else request.emitted
-        request.handle._push(_event(request, index, token, text))
+        request.handle._push(_event(request, index, token, text, logprob))
 
 
-def _event(request: Request, index: int, token: int | None, text: str):
+def _event(request: Request, index: int, token: int | None, text: str, logprob=None):
     from .request import TokenEvent
 
     last = request.finished and (token is None or index == request.emitted - 1)
     reason = request.finish_reason if last else None
-    return TokenEvent(request.id, index, token, text, reason, request.error if last else None)
+    return TokenEvent(request.id, index, token, text, reason, request.error if last else None, logprob)

@@ -17,6 +17,7 @@ import time
 import attrs
 
 from .detok import TextStream
+from .logprobs import TokenLogprob
 from .sampling import SamplingParams
 
 _ids = itertools.count(1)
@@ -32,6 +33,7 @@ class TokenEvent:
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
 
 
 @attrs.frozen
@@ -67,6 +69,7 @@ class Completion:
     seed: int
     error: str | None = None
     spec: SpecStats = attrs.field(factory=SpecStats)
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked
 
 
 class RequestHandle:
@@ -145,6 +148,7 @@ class Request:
     last_token_at: float | None = None
     gaps: list[float] = attrs.field(factory=list)  # inter-token latencies, seconds
     spec: SpecStats = attrs.field(factory=SpecStats)
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)  # delivered tokens' (the core's output stage)
 
     @classmethod
     def create(cls, prompt: list[int], params: SamplingParams, tokenizer,
@@ -196,4 +200,5 @@ class Request:
         """The whole result as it stands (the core takes it once the request has ended)."""
         return Completion(self.id, self.stream.text, list(self.tokens), self.finish_reason,
                           Usage(len(self.prompt), len(self.tokens)), self.params.seed, self.error,
-                          attrs.evolve(self.spec))
+                          attrs.evolve(self.spec),
+                          list(self.logprobs) if self.params.logprobs is not None else None)

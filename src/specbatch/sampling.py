@@ -17,6 +17,7 @@ import mlx.core as mx
 
 
 INT32_MAX = (1 << 31) - 1
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API
 
 
 def _non_negative(inst, attr, value):
@@ -57,6 +58,14 @@ def _int32(inst, attr, value):
         raise ValueError(f"{attr.name} must be <= {INT32_MAX}, got {value}")
 
 
+def _logprobs(inst, attr, value):
+    if value is None:
+        return
+    _int_like(inst, attr, value)
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {value}")
+
+
 def _stops(value) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -87,6 +96,10 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stops)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_ids)
     ignore_eos: bool = False  # benchmarks: decode exactly max_tokens
+    # None: off. N: each emitted token's logprob and the N most likely alternatives, from
+    # the target's raw logits (log_softmax before temperature / top-p / top-k, as vLLM's
+    # default "raw" mode) at that position; see logprobs.py.
+    logprobs: int | None = attrs.field(default=None, validator=_logprobs)
 
     def with_seed(self) -> "SamplingParams":
         """A copy with a concrete seed: unseeded requests get one recorded on them."""
@@ -135,11 +148,12 @@ class RowSampling:
     temperature: list[float]
     top_p: list[float]
     top_k: list[int]
+    logprobs: list[int | None] = attrs.field(factory=list)  # per row; None: not asked
 
     @classmethod
     def of(cls, params: list[SamplingParams]) -> "RowSampling":
         return cls([p.seed for p in params], [p.temperature for p in params],
-                   [p.top_p for p in params], [p.top_k for p in params])
+                   [p.top_p for p in params], [p.top_k for p in params], [p.logprobs for p in params])
 
     @property
     def all_greedy(self) -> bool:

@@ -25,6 +25,7 @@ import structlog
 
 from ..kv import BatchKV
 from ..drafters.base import Capture
+from ..logprobs import gather, read, sample_read
 from ..output import RoundOutput
 from ..request import Request
 from ..runner import TargetRunner, prefill, prefill_batch
@@ -52,7 +53,7 @@ class BatchLoop:
         self.retire = None  # callable(tokens, single caches): the prompt cache's intake
         self.rows: list[Row] = []
         self.kv = BatchKV.empty(target.n_layers, kv_bits=getattr(target, "kv_bits", None))
-        self._lookahead: mx.array | None = None  # [B] lazy tokens of a dispatched forward
+        self._lookahead: tuple | None = None  # lazy (tokens [B, 1], LazyLogprobs | None) of a dispatched forward
         self._sampling: RowSampling | None = None
         self.rounds = 0
 
@@ -75,9 +76,9 @@ class BatchLoop:
         have = single[0].offset if single and single[0].keys is not None else 0
         logits = prefill(self.target, request.prompt[have:], single)  # [1, V]
         rows = RowSampling.of([request.params])
-        first = sample(logits[:, None, :], rows, positions_from([0], 1)).item()
+        [[first]], [lps] = sample_read(logits[:, None, :], rows, positions_from([0], 1))
         out = RoundOutput()
-        if not out.emit(request, first):
+        if not out.emit(request, first, lps and lps[0]):
             self.add_row(Row(request, first, request.prompt[-1]), BatchKV.from_singles(single),
                          last_hidden(self.target))
         return out
@@ -89,9 +90,10 @@ class BatchLoop:
         logits, kv = prefill_batch(self.target, [r.prompt for r in requests])  # [B, V]
         hidden = last_hidden(self.target)  # [B, D] or None
         rows = RowSampling.of([r.params for r in requests])
-        firsts = sample(logits[:, None, :], rows, positions_from([0] * len(requests), 1))[:, 0].tolist()
+        toks, lps = sample_read(logits[:, None, :], rows, positions_from([0] * len(requests), 1))
+        firsts = [t[0] for t in toks]
         out = RoundOutput()
-        keep = [i for i, (r, t) in enumerate(zip(requests, firsts)) if not out.emit(r, t)]
+        keep = [i for i, (r, t, lp) in enumerate(zip(requests, firsts, lps)) if not out.emit(r, t, lp and lp[0])]
         if not keep:
             return out
         if len(keep) < len(requests):
@@ -120,8 +122,9 @@ class BatchLoop:
         Its verified, undelivered tokens go out first (their KV is already cached); it
         restarts from the round's bonus token with its real emitted count."""
         request, out = handoff.request, RoundOutput()
-        for token in handoff.undelivered:
-            if out.emit(request, token):
+        lps = handoff.logprobs or [None] * len(handoff.undelivered)
+        for token, logprob in zip(handoff.undelivered, lps):
+            if out.emit(request, token, logprob):
                 return out
         self.add_row(Row(request, handoff.pending, handoff.prev), BatchKV.from_singles(handoff.target_cache))
         return out
@@ -160,9 +163,9 @@ class BatchLoop:
         self.kv.trim_rows(back)
         self.drafter.rollback(back, hidden=bonus_hidden(self.target, result.accepted))
         out = RoundOutput(verify=result, verified=[r.request for r in self.rows], round=True)
-        for row, run in zip(self.rows, result.emitted):
-            for token in run:
-                if out.emit(row.request, token):
+        for i, (row, run) in enumerate(zip(self.rows, result.emitted)):
+            for token, logprob in zip(run, result.row_logprobs(i)):
+                if out.emit(row.request, token, logprob):
                     break  # finished inside the accepted run: nothing after it
             row.prev, row.pending = (run[-2] if len(run) > 1 else row.pending), run[-1]
         self.rounds += 1
@@ -200,11 +203,14 @@ class BatchLoop:
             self._sampling = RowSampling.of([r.request.params for r in self.rows])
         return self._sampling
 
-    def _dispatch(self, tokens: mx.array, ahead: int) -> mx.array:
-        """Lazily forward tokens ``[B]`` and sample the next ``[B]`` (``ahead`` = unread)."""
+    def _dispatch(self, tokens: mx.array, ahead: int) -> tuple:
+        """Lazily forward tokens ``[B]``, sample the next ``[B, 1]`` and gather the logprobs of
+        rows that asked (``ahead`` = unread)."""
         logits = self.target.forward(tokens[:, None], self.kv.layers)  # [B, 1, V]
         positions = positions_from([r.request.emitted + ahead for r in self.rows], 1)
-        return sample(logits, self._rows_sampling(), positions)[:, 0]
+        rows = self._rows_sampling()
+        sampled = sample(logits, rows, positions)  # [B, 1]
+        return sampled, gather(logits, sampled, rows.logprobs)
 
     def plain_round(self, successor: bool = True) -> RoundOutput:
         """One token per live row."""
@@ -214,16 +220,17 @@ class BatchLoop:
         current = self._lookahead
         live = not any(r.request.finished or r.request.cancel_requested for r in self.rows)
         if successor and live:
-            self._lookahead = self._dispatch(current, 1)
-            mx.async_eval(self._lookahead)
+            tokens, lazy = self._lookahead = self._dispatch(current[0][:, 0], 1)
+            mx.async_eval(tokens, *(lazy.arrays() if lazy else ()))
         else:
             self._lookahead = None
         out = RoundOutput(round=True)
-        for row, token in zip(self.rows, current.tolist()):
+        toks, lps = read(*current)
+        for row, [token], lp in zip(self.rows, toks, lps):
             if row.request.finished:
                 continue  # its successor slot is discarded at the next settle
             row.prev, row.pending = row.pending, token
-            out.emit(row.request, token)
+            out.emit(row.request, token, lp and lp[0])
         self.rounds += 1
         return out
 

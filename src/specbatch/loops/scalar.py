@@ -14,10 +14,11 @@ import collections
 import attrs
 import mlx.core as mx
 
+from ..logprobs import sample_read
 from ..output import RoundOutput
 from ..request import Request
 from ..runner import TargetRunner, prefill
-from ..sampling import RowSampling, positions_from, sample
+from ..sampling import RowSampling, positions_from
 from .verify import RoundResult, bonus_hidden, last_hidden, next_k, spec_round
 
 
@@ -37,6 +38,7 @@ class Handoff:
     emitted: int
     target_cache: list
     drafter: object | None
+    logprobs: list = attrs.field(factory=list)  # parallel to undelivered (None: not asked)
 
 
 class ScalarLoop:
@@ -48,7 +50,7 @@ class ScalarLoop:
         self.k, self.verify = k, verify
         self.adaptive, self.k_now = adaptive, k  # k_now: this round's draft length
         self.cache = target.make_cache()
-        self._buffer: collections.deque[int] = collections.deque()
+        self._buffer: collections.deque[tuple] = collections.deque()  # (token, TokenLogprob | None)
         self._rows = RowSampling.of([request.params])
         self.pending = self.prev = -1
         self.last_round: RoundResult | None = None  # this step's verify round, if one ran
@@ -64,10 +66,10 @@ class ScalarLoop:
             self.cache = cache
         have = self.cache[0].offset if self.cache[0].keys is not None else 0
         logits = prefill(self.target, self.request.prompt[have:], self.cache)
-        first = sample(logits[:, None, :], self._rows, positions_from([0], 1)).item()
+        [[first]], [lps] = sample_read(logits[:, None, :], self._rows, positions_from([0], 1))
         self.prev, self.pending = self.request.prompt[-1], first
         out = RoundOutput()
-        if not out.emit(self.request, first) and self.drafter is not None:
+        if not out.emit(self.request, first, lps and lps[0]) and self.drafter is not None:
             self.drafter.add_rows([self.request.prompt + [first]], hidden=last_hidden(self.target))
         return out
 
@@ -83,7 +85,7 @@ class ScalarLoop:
         out = RoundOutput(round=True)
         if self.last_round is not None:
             out.verify, out.verified = self.last_round, [self.request]
-        if out.emit(self.request, self._buffer.popleft()):
+        if out.emit(self.request, *self._buffer.popleft()):
             self._buffer.clear()  # nothing after a finish goes out
         return out
 
@@ -107,19 +109,19 @@ class ScalarLoop:
         self.drafter.rollback([k - a], hidden=bonus_hidden(self.target, result.accepted))
         run = result.emitted[0]
         self.prev, self.pending = (run[-2] if len(run) > 1 else self.pending), run[-1]
-        self._buffer.extend(run)
+        self._buffer.extend(zip(run, result.row_logprobs(0)))
         self.last_round = result
 
     def _plain(self) -> None:
         logits = self.target.forward(mx.array([[self.pending]], dtype=mx.int32), self.cache)
-        token = sample(logits, self._rows, positions_from([self.request.emitted], 1)).item()
+        [[token]], [lps] = sample_read(logits, self._rows, positions_from([self.request.emitted], 1))
         self.prev, self.pending = self.pending, token
-        self._buffer.append(token)
+        self._buffer.append((token, lps and lps[0]))
 
     def close(self) -> Handoff:
         """Stop here (usually mid-round) and hand everything to the batch loop."""
-        handoff = Handoff(self.request, list(self._buffer), self.pending, self.prev,
-                          self.request.emitted, self.cache, self.drafter)
+        handoff = Handoff(self.request, [t for t, _ in self._buffer], self.pending, self.prev,
+                          self.request.emitted, self.cache, self.drafter, [lp for _, lp in self._buffer])
         self._buffer.clear()
         return handoff
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import attrs
 import mlx.core as mx
 
+from ..logprobs import TokenLogprob, gather, read
 from ..sampling import RowSampling, filter_logits, position_noise, positions_from, sample
 
 # Other key streams of a seed for rejection mode, so they never reuse the target's noise.
@@ -33,6 +34,12 @@ class RoundResult:
     emitted: list[list[int]]  # per row: t_0 .. t_a
     accepted: list[int]
     drafted: int
+    logprobs: list[list[TokenLogprob] | None] = attrs.field(factory=list)  # per row, as emitted; None: not asked
+
+    def row_logprobs(self, i: int) -> list:
+        """Row ``i``'s logprobs parallel to its emitted run (Nones where it did not ask)."""
+        got = self.logprobs[i] if self.logprobs else None
+        return got if got is not None else [None] * len(self.emitted[i])
 
 
 def greedy_chooser():
@@ -119,11 +126,13 @@ def next_k(k_now: int, k_max: int, result: RoundResult) -> int:
     return k_now
 
 
-def read_round(tokens: mx.array, accepted: mx.array, drafted: int) -> RoundResult:
-    """The one host sync of a round: emitted runs and accepted counts."""
-    mx.eval(tokens, accepted)
-    toks, acc = tokens.tolist(), accepted.tolist()
-    return RoundResult([row[:a + 1] for row, a in zip(toks, acc)], acc, drafted)
+def read_round(tokens: mx.array, accepted: mx.array, drafted: int, lazy=None) -> RoundResult:
+    """The one host sync of a round: emitted runs, accepted counts and (rows that asked)
+    logprobs, computed for all ``k+1`` positions and cut to the emitted run here."""
+    toks, lps = read(tokens, lazy, accepted)
+    acc = accepted.tolist()
+    return RoundResult([row[:a + 1] for row, a in zip(toks, acc)], acc, drafted,
+                       [None if lp is None else lp[:a + 1] for lp, a in zip(lps, acc)])
 
 
 def spec_round(target, target_cache: list, drafter, pending: list[int], prev: list[int],
@@ -147,7 +156,7 @@ def spec_round(target, target_cache: list, drafter, pending: list[int], prev: li
         tokens, accepted = verify_rejection(logits, draft_logits, drafts, rows, starts)
     else:
         tokens, accepted = verify_coupled(logits, drafts, rows, starts)
-    return read_round(tokens, accepted, k)
+    return read_round(tokens, accepted, k, gather(logits, tokens, rows.logprobs))  # the target's, never the drafter's
 
 
 def bonus_hidden(runner, accepted: list[int]) -> mx.array | None:
