@@ -22,6 +22,7 @@ from ..errors import EngineClosed, InvalidRequest, QueueFull
 from .drain import Drain, until_done_or_stopped
 from .fanout import merge, siblings
 from .guard import Guard, error_response
+from .logprobs import LogprobFormat, Offsets
 from .metrics import render_metrics
 from .schemas import APIError, Parsed, load_json, parse_chat, parse_completion
 from .stream import SHUTTING_DOWN, EventStream, Reply, sse, usage_of
@@ -95,8 +96,10 @@ class API:
             watch = self.drain.open()
         except APIError as err:
             return error_response(err)
+        wants = parsed.params.logprobs is not None
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, self.name, int(time.time()),
-                      self.fingerprint, parsed.include_usage)
+                      self.fingerprint, parsed.include_usage,
+                      LogprobFormat(self.engine.tokenizer, chat) if wants else None)
         streams = self.engine.stream_requests(reqs)  # one arrival: prefilled and decoded together
         events = merge(streams)
 
@@ -126,11 +129,11 @@ class API:
     def whole(self, reply: Reply, handles: list, outcome, stopped: str | None, headers: dict) -> Response:
         if outcome is None:  # cut by the drain, or nobody is left to read it
             return error_response(SHUTTING_DOWN) if stopped == "shutdown" else Response(status_code=499)
-        failed = [error for _, finish, error in outcome if finish == "error"]
+        failed = [error for _, finish, error, _ in outcome if finish == "error"]
         if failed:
             return error_response(APIError(500, failed[0] or "generation failed", None, "generation_failed",
                                            "server_error"))
-        choices = [(text, "stop" if finish == "cancelled" else finish) for text, finish, _ in outcome]
+        choices = [(text, "stop" if finish == "cancelled" else finish, entries) for text, finish, _, entries in outcome]
         return JSONResponse(reply.whole(choices, usage_of(handles)), headers=headers)
 
     async def completions(self, request: Request):
@@ -159,13 +162,15 @@ class API:
         return error_response(APIError(500, "internal server error", None, "internal_error", "server_error"))
 
 
-async def _collect(events, n: int) -> list[tuple[str, str | None, str | None]]:
-    """(text, finish_reason, error) per completion, from the merged (index, event) stream."""
-    texts, ends = [[] for _ in range(n)], [(None, None)] * n
+async def _collect(events, n: int) -> list[tuple[str, str | None, str | None, list]]:
+    """(text, finish_reason, error, logprob entries) per completion, from the merged
+    (index, event) stream; entries are (TokenLogprob, text offset), empty when not asked."""
+    texts, ends, entries, offsets = [[] for _ in range(n)], [(None, None)] * n, [[] for _ in range(n)], Offsets(n)
     async for i, event in events:
+        entries[i] += offsets.entry(i, event)
         texts[i].append(event.text)
         ends[i] = (event.finish_reason, event.error)
-    return [("".join(t), *end) for t, end in zip(texts, ends)]
+    return [("".join(t), *end, e) for t, end, e in zip(texts, ends, entries)]
 
 
 def create_app(engine, model_name: str | None = None, api_key: str | None = None,

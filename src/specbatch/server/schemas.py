@@ -14,7 +14,7 @@ import attrs
 
 from .fanout import MAX_N
 
-from ..sampling import INT32_MAX, SamplingParams
+from ..sampling import INT32_MAX, MAX_LOGPROBS, SamplingParams
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -108,13 +108,13 @@ def _max_tokens(body: dict) -> tuple[int, str | None]:
     return SamplingParams().max_tokens, None
 
 
-def _sampling(body: dict) -> tuple[SamplingParams, str | None]:
+def _sampling(body: dict, logprobs: int | None) -> tuple[SamplingParams, str | None]:
     max_tokens, max_param = _max_tokens(body)
     top_k = _int(body, "top_k", 0, -1, INT32_MAX)
     fields = dict(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0),
                   top_p=_float(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0),  # -1: vLLM's "off"
                   seed=_int(body, "seed", None), stop=_typed(body, "stop", (str, list), ()),
-                  ignore_eos=_typed(body, "ignore_eos", bool, False))
+                  ignore_eos=_typed(body, "ignore_eos", bool, False), logprobs=logprobs)
     try:
         return SamplingParams(**fields), max_param
     except (TypeError, ValueError) as exc:
@@ -131,9 +131,18 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
     return stream, include
 
 
-def _parsed(body: dict, prompt) -> Parsed:
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat: ``logprobs: true`` turns them on, ``top_logprobs: N`` adds N alternatives."""
+    want = _typed(body, "logprobs", bool, False)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not want:  # as OpenAI: alternatives without logprobs is a mistake
+        raise APIError(400, "'top_logprobs' requires 'logprobs' to be true", "top_logprobs", "invalid_value")
+    return (top or 0) if want else None
+
+
+def _parsed(body: dict, prompt, logprobs: int | None) -> Parsed:
     stream, include = _stream_options(body)
-    params, max_param = _sampling(body)
+    params, max_param = _sampling(body, logprobs)
     n = _int(body, "n", 1, 1, MAX_N)
     return Parsed(prompt, params, stream, include, _typed(body, "model", str), max_param, n)
 
@@ -151,7 +160,7 @@ def parse_completion(body) -> Parsed:
         raise APIError(400, "'prompt' must not be empty", "prompt", "invalid_value")
     if isinstance(prompt, str):
         _unicode(prompt, "prompt")
-    return _parsed(body, prompt)
+    return _parsed(body, prompt, _int(body, "logprobs", None, 0, MAX_LOGPROBS))  # legacy: an integer N
 
 
 def parse_chat(body, tokenizer) -> Parsed:
@@ -168,4 +177,4 @@ def parse_chat(body, tokenizer) -> Parsed:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:
         raise APIError(400, f"could not apply the chat template: {exc}", "messages", "invalid_value") from None
-    return _parsed(body, prompt)
+    return _parsed(body, prompt, _chat_logprobs(body))

@@ -11,6 +11,7 @@ import attrs
 import structlog
 
 from .drain import Watch, until_done_or_stopped
+from .logprobs import LogprobFormat, Offsets
 from .schemas import APIError
 
 log = structlog.get_logger(__name__)
@@ -29,27 +30,34 @@ class Reply:
     created: int  # unix seconds when this response began (every chunk of a stream shares it)
     fingerprint: str
     include_usage: bool = False
+    logprobs: LogprobFormat | None = None  # None: the request did not ask
 
     def envelope(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
-    def chunk(self, text: str, finish: str | None, index: int = 0) -> dict:
+    def format(self, entries: list) -> dict | None:
+        """The choice's ``logprobs`` object for (TokenLogprob, text offset) ``entries``."""
+        return self.logprobs(entries) if self.logprobs is not None else None
+
+    def chunk(self, text: str, finish: str | None, index: int = 0, entries: list = ()) -> dict:
         if self.chat:
             choice = {"index": index, "delta": {"content": text} if text or not finish else {},
-                      "finish_reason": finish}
+                      "logprobs": self.format(entries) if entries else None, "finish_reason": finish}
             return self.envelope("chat.completion.chunk", [choice])
-        return self.envelope("text_completion", [{"index": index, "text": text, "logprobs": None,
+        return self.envelope("text_completion", [{"index": index, "text": text,
+                                                  "logprobs": self.format(entries) if entries else None,
                                                   "finish_reason": finish}])
 
     def whole(self, outcomes: list, usage: dict) -> dict:
-        """``outcomes``: (text, finish_reason) per completion, in index order."""
+        """``outcomes``: (text, finish_reason, logprob entries) per completion, in index order."""
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                       for i, (text, finish) in enumerate(outcomes)]
+            choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": self.format(entries), "finish_reason": finish}
+                       for i, (text, finish, entries) in enumerate(outcomes)]
             return self.envelope("chat.completion", choices, usage=usage)
-        choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-                   for i, (text, finish) in enumerate(outcomes)]
+        choices = [{"index": i, "text": text, "logprobs": self.format(entries), "finish_reason": finish}
+                   for i, (text, finish, entries) in enumerate(outcomes)]
         return self.envelope("text_completion", choices, usage=usage)
 
 
@@ -75,6 +83,7 @@ async def sse(events, reply: Reply, handles: list) -> AsyncIterator[str]:
             first = reply.chunk("", None, i)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             yield data(first)
+    offsets = Offsets(len(handles))
     async for i, event in events:
         if event.finish_reason == "error":
             yield data(APIError(500, event.error or "generation failed", None, "generation_failed",
@@ -82,8 +91,9 @@ async def sse(events, reply: Reply, handles: list) -> AsyncIterator[str]:
             break
         if event.finish_reason == "cancelled":
             break
-        if event.text or event.finish_reason:
-            yield data(reply.chunk(event.text, event.finish_reason, i))
+        entries = offsets.entry(i, event) if reply.logprobs is not None else []
+        if event.text or event.finish_reason or entries:  # a token with no text yet still has its logprob
+            yield data(reply.chunk(event.text, event.finish_reason, i, entries))
     if reply.include_usage:
         kind = "chat.completion.chunk" if reply.chat else "text_completion"
         yield data(reply.envelope(kind, [], usage=usage_of(handles)))
