@@ -6,6 +6,11 @@ row, so here row ``b`` occupies buffer columns ``[start[b], end[b])`` and trims 
 own count. One instance per layer, as mlx-lm expects; ``BatchKV`` applies row edits to
 all layers at once.
 
+This dense layout pads every row to the longest one; the batch loop's cache is the paged
+layout (``paged_kv``, allocation within ~6% of need at mixed lengths, optional 8-bit
+storage). Prefill batches and single-row conversions stay dense: short-lived, and their
+rows are copied into blocks when they join.
+
 mlx-lm protocol: ``update_and_fetch`` (writes each row at its own end), ``offset`` (a
 per-row ``[B]`` array, for RoPE), ``make_mask`` (``[B, 1, N, T]``), ``state``,
 ``nbytes``, ``trim``. Covered: full-attention models whose layers take a plain
