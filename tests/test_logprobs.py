@@ -88,9 +88,10 @@ def test_through_a_preempt_equals_plain(tiny, temperature):
         assert max_diff(got, ref) < TOL, delivered
 
 
-def test_values_are_the_plain_forward_log_softmax(tiny, tiny_draft):
+@pytest.mark.parametrize("verify", ["coupled", "rejection"])
+def test_values_are_the_plain_forward_log_softmax(tiny, tiny_draft, verify):
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, seed=2, logprobs=4)
-    spec = EngineConfig(num_draft_tokens=3)
+    spec = EngineConfig(num_draft_tokens=3, verify=verify)  # rejection: accepted drafts are scored by the target too
     [done] = completions(tiny, tiny_draft, spec, [("def f(x):", params)])
     prompt = list(tiny.tokenizer.encode("def f(x):"))
     logits = tiny.model(mx.array(prompt + done.token_ids[:-1])[None]).astype(mx.float32)[0]  # [L, V]
@@ -111,6 +112,16 @@ def test_rows_that_did_not_ask_get_none(tiny, tiny_draft):
     asked, quiet = completions(tiny, tiny_draft, EngineConfig(num_draft_tokens=3), jobs)
     assert quiet.logprobs is None
     assert len(asked.logprobs) == len(asked.token_ids) and all(lp.top == () for lp in asked.logprobs)
+
+
+def test_a_stop_string_cuts_the_logprobs_with_the_tokens(tiny):
+    free = completions(tiny, tiny, EngineConfig(num_draft_tokens=3),
+                       [("def f(x):", SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1))])[0]
+    stop = free.text[len(free.text) // 2:][:3]
+    [cut] = completions(tiny, tiny, EngineConfig(num_draft_tokens=3),
+                        [("def f(x):", SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1, stop=stop))])
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < len(free.token_ids)
+    assert len(cut.logprobs) == len(cut.token_ids) and cut.logprobs == free.logprobs[:len(cut.token_ids)]
 
 
 @pytest.mark.parametrize("bad", [-1, 21, 2.5, True, "3"])
