@@ -5,7 +5,7 @@ RUN     := $(PY) -m specbatch.blas   # starts Python with OpenBLAS preloaded (Li
 PYTEST_ARGS ?=
 
 
-.PHONY: setup test lint test-fast demo bench calibrate serve statecharts clean demo-pair drafters
+.PHONY: setup test lint test-fast demo bench calibrate serve statecharts clean drafters
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -44,17 +44,6 @@ statecharts: $(STAMP)
 
 clean:
 	rm -rf .venv build .pytest_cache .hypothesis
-
-# Retrain the embedded demo pair from scratch (hours on 2 cores; resumable), then its
-# MTP head, then measure and calibrate it for this machine kind.
-DEMO := src/specbatch/demo_models
-demo-pair: $(STAMP)
-	$(RUN) scripts/train_demo_pair.py --work build/train --out $(DEMO)
-	$(RUN) scripts/self_distill.py --pair $(DEMO) --tokens build/train/tokens.npz --work build/self-distill
-	$(RUN) scripts/train_mtp_head.py --target $(DEMO)/target --out $(DEMO)/mtp --minutes 5 \
-		--tokens build/train/tokens.npz --generations build/self-distill/generations.npz
-	$(RUN) scripts/measure_pair.py --out $(DEMO)/speed.json
-	SPECBATCH_CALIBRATION=$(DEMO)/calibration.json .venv/bin/specbatch calibrate
 
 # Retrain the embedded target's drafters (about 95 minutes on 2 cores; every step is
 # resumable and time-boxed, work under build/drafters/): data, MTP head, draft model, then
