@@ -212,3 +212,14 @@ def test_a_row_finishing_in_a_verify_round_reports_that_round(tiny):
             spec = run.finals[rid].completion.spec
             assert spec.rounds == stats["spec_rounds"] and spec.drafted == 3 * stats["spec_rounds"]
         assert sum(run.finals[r].completion.spec.accepted for r in rids) == stats["accepted_tokens"]
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_each_kv_layout_speculates_in_a_batch_equal_to_plain(tiny, layout):
+    jobs = [(p, SamplingParams(max_tokens=20, ignore_eos=True, temperature=t, seed=3))
+            for p, t in [("def f(x):", 0.0), ("x = 1", 0.8), ("import os", 0.0)]]
+    config = EngineConfig(speculative_width_cap=0, num_draft_tokens=3, kv_layout=layout)
+    with EngineCore(tiny, tiny, config) as core:
+        run, ids = drive(core, {0: jobs})
+        assert core.stats()["spec_rounds"] > 0
+    assert [run.tokens[i] for i in ids] == plain_streams(tiny, jobs)

@@ -27,6 +27,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + completion served, tokens (default: the model's context)")
     p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8],
                    help="store the batch's target KV quantized per token (default: the model's dtype)")
+    p.add_argument("--kv-layout", default=None, choices=["dense", "paged"],
+                   help="the batch's KV: dense (faster here; the default) or paged blocks (allocation within "
+                        "10%% of need); --kv-bits implies paged")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -45,7 +48,8 @@ def _engine(args, **options):
     options = dict(options, speculation=not args.no_speculation, speculative_width_cap=args.speculative_width_cap,
                    num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, drafter=args.drafter,
                    **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
-                   **({"kv_bits": args.kv_bits} if args.kv_bits else {}))
+                   **({"kv_bits": args.kv_bits} if args.kv_bits else {}),
+                   **({"kv_layout": args.kv_layout} if args.kv_layout else {}))
     if not getattr(args, "distributed", False):
         return Engine.from_pretrained(args.model, args.draft_model, **options)
     from .dist import sharded_engine

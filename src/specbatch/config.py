@@ -60,6 +60,10 @@ class EngineConfig:
     kv_budget_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # 0: unbounded
     prompt_cache_bytes: int = attrs.field(default=256 << 20, validator=attrs.validators.ge(0))
     # the batch's target KV stored quantized per token (None: the model's dtype)
+    # the batch loop's KV: "dense" (one buffer per layer, rows padded to the longest; the
+    # faster here: 108.6 vs 97.1 tok/s plain at width 8) or "paged" (16-token blocks,
+    # allocation within 10% of need: 1.01x vs 1.77x at width 16 with mixed lengths)
+    kv_layout: str = attrs.field(default="dense", validator=attrs.validators.in_(("dense", "paged")))
     kv_bits: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_((4, 8))))
     verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))
     adaptive_k: bool = True  # draft length per round follows acceptance (num_draft_tokens is the most)

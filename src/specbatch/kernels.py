@@ -90,6 +90,7 @@ def build_kernels(target, drafter, config, drafter_factory=make_drafter) -> Loop
     """Kernels over ``target`` (a LoadedModel); ``drafter``: its source, or None."""
     runner = ModelRunner(target.model)
     runner.kv_bits = config.kv_bits  # the batch loop's KV storage (BatchKV.empty reads it)
+    runner.kv_layout = config.kv_layout
     return LoopKernels(runner, config, drafter if config.speculation else None,
                        drafter_factory, PromptCache(config.prompt_cache_bytes),
                        kv_bytes_per_token(target.model))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-LAYOUT = "paged"  # BatchKV.empty's default layout (bench suite memory_layout measures both)
+LAYOUT = "paged"  # BatchKV.empty's layout when none is named (EngineConfig.kv_layout names one)
 STEP = 64  # grow capacity in blocks: rare copies, little padding (mlx-lm uses 256)
 
 

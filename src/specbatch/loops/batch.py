@@ -52,7 +52,8 @@ class BatchLoop:
         self.armed = False  # the drafter holds one row per loop row
         self.retire = None  # callable(tokens, single caches): the prompt cache's intake
         self.rows: list[Row] = []
-        self.kv = BatchKV.empty(target.n_layers, kv_bits=getattr(target, "kv_bits", None))
+        self.kv = BatchKV.empty(target.n_layers, layout=getattr(target, "kv_layout", None),
+                                kv_bits=getattr(target, "kv_bits", None))
         self._lookahead: tuple | None = None  # lazy (tokens [B, 1], LazyLogprobs | None) of a dispatched forward
         self._sampling: RowSampling | None = None
         self.rounds = 0
@@ -193,7 +194,8 @@ class BatchLoop:
         """Drop every row and all KV (after a failed round); return their requests."""
         out = [r.request for r in self.rows]
         self.rows, self._lookahead, self._sampling = [], None, None
-        self.kv = BatchKV.empty(self.target.n_layers, kv_bits=getattr(self.target, "kv_bits", None))
+        self.kv = BatchKV.empty(self.target.n_layers, layout=getattr(self.target, "kv_layout", None),
+                                kv_bits=getattr(self.target, "kv_bits", None))
         self.disarm()
         return out
 
