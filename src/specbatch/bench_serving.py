@@ -185,10 +185,12 @@ def suite_drafters(ctx) -> dict:
         drafters["model"] = ctx.drafter if hasattr(ctx.drafter, "model") else load(pair["drafter"])
     except (ModelNotFound, TypeError) as exc:
         print(f"drafters: no draft model ({exc})")
-    try:
-        drafters["mtp"] = load_mtp_head(pair["mtp"] if pair else None, ctx.target)
-    except ModelNotFound as exc:
-        print(f"drafters: no MTP head ({exc})")
+    for folder in ([pair["mtp"], pair["mtp"].with_name("mtp-candidate")] if pair else [None]):
+        try:  # the installed head, else the trained candidate that did not clear the bar
+            drafters["mtp"] = load_mtp_head(folder, ctx.target)
+            break
+        except ModelNotFound as exc:
+            print(f"drafters: no MTP head ({exc})")
     from .drafters.ngram import NGramSource
     drafters["ngram"] = NGramSource(ctx.target.vocab_size)
     prompts = code_prompts(ctx.target.tokenizer, 4)
