@@ -99,6 +99,8 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
             print(f"T={t:.2f} width {width:3d}: " + ", ".join(f"k={k} {v:.1f}" for k, v in speeds.items())
                   + f" tok/s -> k={row[-1]}", flush=True)
         row += [0] * (len(widths) - len(row))
+        if bands:  # acceptance only falls with temperature: a hotter band never drafts more
+            row = [min(k, colder) for k, colder in zip(row, bands[-1].k)]
         bands.append(Band(t, row))
     return DraftSchedule(widths, bands), table
 

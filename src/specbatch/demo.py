@@ -52,19 +52,16 @@ def _drain(core, printer) -> None:
 
 def run_demo(args) -> int:
     from . import SamplingParams, logs
+    from .config import load_pair
     from .core import EngineCore
 
     logs.configure(getattr(args, "log_format", "console"), "info")
     options = dict(speculation=not args.no_speculation, num_draft_tokens=args.num_draft_tokens,
                    dtype=args.dtype, drafter=args.drafter,
                    speculative_width_cap=args.speculative_width_cap)
-    core = EngineCore.from_pretrained(args.model, args.draft_model, **options)
-    if args.speculative_width_cap is None and core.config.speculative_width_cap == 1:
-        # a burst within the cap needs a cap of at least 2: say so rather than skip an edge
-        import attrs
-        core.config = attrs.evolve(core.config, speculative_width_cap=2)
-        core.scheduler.config = core.config
-        print("  (the calibrated cap is 1; the demo uses 2 so that a burst within it exists)")
+    target, drafter, config = load_pair(args.model, args.draft_model, **options)
+    config = _showable(config, args)
+    core = EngineCore(target, drafter, config)
     cap, m = core.config.speculative_width_cap, args.max_tokens
     print(f"specbatch demo: target={core.target.name}\n  drafter={core.drafter and core.drafter.name} "
           f"k={core.config.num_draft_tokens} cap={cap} speculation={core.config.speculation}", flush=True)
@@ -94,6 +91,26 @@ def run_demo(args) -> int:
             for i in range((cap or 4) + 2)]
     _drain(core, printer)
     return _summary(core, len(ids), time.perf_counter() - start)
+
+
+def _showable(config, args):
+    """A config that takes every edge: where the calibration says speculation does not pay
+    for this pair (a schedule of zeros) or caps it at 1, the demo still speculates (k = 4,
+    cap = 2) to show the transitions, and says so: its speed is not the calibrated engine's."""
+    import attrs
+    if not config.speculation or args.speculative_width_cap is not None:
+        return config
+    schedule = config.draft_schedule
+    plain = schedule is not None and (schedule.draft_length(1, 0.0) == 0 or schedule.draft_length(2, 0.0) == 0)
+    if plain:
+        print("  (calibrated here, this drafter does not pay at widths 1-2: the engine would decode plain; "
+              "the demo speculates anyway, k=4, cap=2, to show every transition)")
+        return attrs.evolve(config, draft_schedule=None, max_spec_temperature=None, speculative_width_cap=2,
+                            num_draft_tokens=args.num_draft_tokens or 4)
+    if config.speculative_width_cap == 1:  # a burst within the cap needs a cap of at least 2
+        print("  (the calibrated cap is 1; the demo uses 2 so that a burst within it exists)")
+        return attrs.evolve(config, speculative_width_cap=2)
+    return config
 
 
 def _summary(core, n: int, elapsed: float) -> int:
