@@ -110,7 +110,8 @@ def suite_scalar(ctx) -> dict:
     k = ctx.k
     prompt = code_prompts(ctx.target.tokenizer, 1)
     plain = ctx.engine(speculation=False)
-    always = dict(max_spec_temperature=None)  # speculate at every temperature: what it does
+    # speculate at every temperature with k drafts, whatever the calibration says: what it does
+    always = dict(max_spec_temperature=None, draft_schedule=None)
     modes = {"coupled": ctx.engine(speculative_width_cap=1, **always),
              "rejection": ctx.engine(speculative_width_cap=1, verify="rejection", **always),
              "specbatch": ctx.engine()}  # the calibrated policy: plain where speculation loses
@@ -165,7 +166,7 @@ def suite_widths(ctx) -> dict:
     """Width sweep: plain batching, always-speculate batching, specbatch with its cap."""
     prompts = code_prompts(ctx.target.tokenizer, max(ctx.widths))
     engines = {"plain": ctx.engine(speculation=False),
-               "always_spec": ctx.engine(speculative_width_cap=0, max_spec_temperature=None),
+               "always_spec": ctx.engine(speculative_width_cap=0, max_spec_temperature=None, draft_schedule=None),
                "specbatch": ctx.engine()}
     rows = []
     for width in tqdm(ctx.widths, desc="widths", unit="width"):

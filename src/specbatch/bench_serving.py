@@ -98,7 +98,8 @@ def suite_memory(ctx) -> dict:
     """KV bytes per row (allocated vs needed) by width, speculation's extra, and a soak."""
     from .bench import code_prompts
     prompts = code_prompts(ctx.target.tokenizer, max(ctx.widths))
-    plain, spec = ctx.engine(speculation=False), ctx.engine(speculative_width_cap=0, max_spec_temperature=None)
+    plain, spec = ctx.engine(speculation=False), ctx.engine(speculative_width_cap=0, max_spec_temperature=None,
+                                                            draft_schedule=None)
     rows = []
     for width in tqdm(ctx.widths, desc="memory", unit="width"):
         p, s = _peak_during(plain, prompts[:width], ctx.tokens), _peak_during(spec, prompts[:width], ctx.tokens)
@@ -196,7 +197,9 @@ def suite_drafters(ctx) -> dict:
     prompts = code_prompts(ctx.target.tokenizer, 4)
     rows = []
     for name, drafter in drafters.items():
-        engines = {w: Engine(ctx.target, drafter, attrs.evolve(ctx.config, speculative_width_cap=0, prompt_cache_bytes=0))
+        forced = attrs.evolve(ctx.config, speculative_width_cap=0, prompt_cache_bytes=0, draft_schedule=None,
+                              max_spec_temperature=None)  # each drafter speculating, calibrated or not
+        engines = {w: Engine(ctx.target, drafter, forced)
                    for w in (1, 4)}
         for width, engine in engines.items():
             engine_tok_s(engine, prompts[:2], 8)
