@@ -150,3 +150,14 @@ def heldout_sequences(target, max_tokens: int = 160) -> list[dict]:
     rows = [{"kind": k, "prompt_ids": p, "answer_ids": [int(t) for t in a]} for (k, p), a in zip(items, res.token_ids)]
     path.write_text(json.dumps(rows))
     return rows
+
+
+def write_summary(out: Path, state: dict, args, unique_tokens: int, heldout_tokens: int, **extra) -> None:
+    """The run's training.json beside its best checkpoint; the best result printed."""
+    summary = {"steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2),
+               "tokens_seen": state["tokens_seen"], "train_tokens_unique": unique_tokens,
+               "gen_repeat": args.gen_repeat, "heldout_tokens": heldout_tokens, "lr": args.lr,
+               "batch_seqs": args.batch, "seed": args.seed, **extra,
+               "best": state["best"], "history": state["history"]}
+    (out / "best" / "training.json").write_text(json.dumps(summary, indent=1))
+    print("best", state["best"])

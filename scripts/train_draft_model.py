@@ -206,12 +206,7 @@ def main() -> None:
                 check(evaluate(model, W, val))
     bar.close()
     check(evaluate(model, W, val))
-    meta = {"layers_from_target": layers, "steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2),
-            "tokens_seen": state["tokens_seen"], "train_tokens_unique": unique_tokens, "gen_repeat": args.gen_repeat, "heldout_tokens": ntok(val),
-            "loss_vocab": args.vocab, "lr": args.lr, "batch_seqs": args.batch, "seed": args.seed,
-            "best": state["best"], "history": state["history"]}
-    (OUT / "best" / "training.json").write_text(json.dumps(meta, indent=1))
-    print("best", state["best"])
+    dc.write_summary(OUT, state, args, unique_tokens, ntok(val), layers_from_target=layers, loss_vocab=args.vocab)
 
 
 if __name__ == "__main__":

@@ -287,12 +287,7 @@ def main() -> None:
         state["best"] = {"score": score, "step": state["step"], **ev}
         save_head(head, OUT / "best")
     save_state()
-    summary = {"steps": state["step"], "train_minutes": round(state["elapsed"] / 60, 2), "tokens_seen": state["tokens_seen"],
-               "train_tokens_unique": unique_tokens, "gen_repeat": args.gen_repeat, "heldout_tokens": ntok(val), "vocab": args.vocab, "unroll": S,
-               "init": args.init, "lr": args.lr, "batch_seqs": args.batch, "seed": args.seed,
-               "best": state["best"], "history": state["history"]}
-    (OUT / "best" / "training.json").write_text(json.dumps(summary, indent=1))
-    print("best", state["best"])
+    dc.write_summary(OUT, state, args, unique_tokens, ntok(val), vocab=args.vocab, unroll=S, init=args.init)
 
 
 if __name__ == "__main__":
