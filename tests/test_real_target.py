@@ -7,7 +7,7 @@ import pytest
 
 from specbatch import EngineCore, SamplingParams
 from specbatch.config import EngineConfig
-from specbatch.models import ModelNotFound, embedded_target, load
+from specbatch.models import ModelNotFound, chat_prompt as chat, embedded_target, load
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +21,6 @@ def smol():
         return load(embedded_target())
     except ModelNotFound as exc:
         pytest.skip(str(exc))
-
-
-def chat(tokenizer, text):
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=False)
 
 
 def run(core, jobs):

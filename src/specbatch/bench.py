@@ -29,10 +29,9 @@ def code_prompts(tokenizer, n: int) -> list[list[int]]:
 
 def mlx_lm_folder(name: str):
     """A folder mlx-lm opens at the precision we run: a GGUF's fp32 conversion."""
-    from pathlib import Path as _Path
     if str(name).lower().endswith(".gguf"):
         from .gguf import cached_folder
-        return cached_folder(_Path(name), dequantize=True)
+        return cached_folder(Path(name), dequantize=True)
     return name
 
 

@@ -57,16 +57,9 @@ def _engine(args, **options):
                           **options)
 
 
-def chat_prompt(tokenizer, text: str) -> str | None:
-    """``text`` as one user turn in the model's chat template (None: the model has none)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                         add_generation_prompt=True, tokenize=False)
-
-
 def cmd_generate(args) -> int:
     from . import SamplingParams
+    from .models import chat_prompt
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
     engine = _engine(args)

@@ -41,7 +41,7 @@ class Printer:
 
 
 def _chat(core, question: str) -> str:
-    from .cli import chat_prompt
+    from .models import chat_prompt
     return chat_prompt(core.tokenizer, question) or question
 
 

@@ -162,6 +162,14 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
     return loaded
 
 
+def chat_prompt(tokenizer, text: str) -> str | None:
+    """``text`` as one user turn in the model's chat template (None: the model has none)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+
+
 def kv_bytes_per_token(model) -> int:
     """Target KV bytes one token costs across all layers (0 when the shape is unknown)."""
     args = model.args

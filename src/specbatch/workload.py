@@ -28,7 +28,7 @@ CODE = [
 
 def texts(tokenizer, n: int) -> list[str]:
     """``n`` prompt texts, chat questions and code completions alternating."""
-    from .cli import chat_prompt
+    from .models import chat_prompt
     out = []
     for i in range(n):
         if i % 2 == 0:
