@@ -11,6 +11,7 @@ position under the causal mask.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -161,3 +162,30 @@ def write_summary(out: Path, state: dict, args, unique_tokens: int, heldout_toke
                "best": state["best"], "history": state["history"]}
     (out / "best" / "training.json").write_text(json.dumps(summary, indent=1))
     print("best", state["best"])
+
+
+def length_batches(seqs: list[dict], bs: int, rng: np.random.Generator) -> list[list[dict]]:
+    order = rng.permutation(len(seqs))
+    out = []
+    for i in range(0, len(order), 64 * bs):  # sort within windows: little padding, still shuffled
+        win = sorted(order[i:i + 64 * bs], key=lambda j: len(seqs[j]["tokens"]))
+        out += [[seqs[j] for j in win[k:k + bs]] for k in range(0, len(win), bs)]
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def timed_batches(seqs: list[dict], bs: int, rng: np.random.Generator, budget: float, t_start: float,
+                  peak_lr: float, warmup: int, step: int):
+    """(batch, learning rate) until ``budget`` seconds past ``t_start``: epochs of
+    length-sorted batches; linear warm-up over ``warmup`` steps, then a cosine on elapsed
+    time down to 10% of ``peak_lr`` (time-based, so a resumed run keeps its schedule)."""
+    while True:
+        groups = length_batches(seqs, bs, rng)
+        if not groups:
+            return
+        for group in groups:
+            elapsed = time.time() - t_start
+            if elapsed >= budget:
+                return
+            warm = min(1.0, (step + 1) / warmup)
+            yield group, peak_lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
+            step += 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import time
@@ -31,7 +30,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 import drafter_common as dc  # noqa: E402
-from train_mtp_head import is_val, length_batches  # noqa: E402
+from train_mtp_head import is_val  # noqa: E402
 
 OUT = dc.BUILD / "draft"
 
@@ -183,27 +182,20 @@ def main() -> None:
     rng = np.random.default_rng(args.seed + state["step"])
     t_start, last_eval = time.time() - state["elapsed"], time.time()
     bar = tqdm(total=int(budget), initial=int(state["elapsed"]), desc="draft train (s)", unit="s")
-    done = False
-    while not done:
-        for group in length_batches(train, args.batch, rng):
-            elapsed = time.time() - t_start
-            if elapsed >= budget:
-                done = True
-                break
-            warm = min(1.0, (state["step"] + 1) / 30)
-            opt.learning_rate = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
-            loss, grads = grad_fn(batch_arrays(group))
-            grads, _ = optim.clip_grad_norm(grads, 1.0)
-            opt.update(model, grads)
-            mx.eval(model.trainable_parameters(), opt.state, loss)
-            state["step"] += 1
-            state["tokens_seen"] += ntok(group)
-            state["elapsed"] = time.time() - t_start
-            bar.update(int(state["elapsed"]) - bar.n)
-            bar.set_postfix(step=state["step"], loss=f"{float(loss):.3f}")
-            if time.time() - last_eval > args.eval_every:
-                last_eval = time.time()
-                check(evaluate(model, W, val))
+    for group, lr in dc.timed_batches(train, args.batch, rng, budget, t_start, args.lr, 30, state["step"]):
+        opt.learning_rate = lr
+        loss, grads = grad_fn(batch_arrays(group))
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        mx.eval(model.trainable_parameters(), opt.state, loss)
+        state["step"] += 1
+        state["tokens_seen"] += ntok(group)
+        state["elapsed"] = time.time() - t_start
+        bar.update(int(state["elapsed"]) - bar.n)
+        bar.set_postfix(step=state["step"], loss=f"{float(loss):.3f}")
+        if time.time() - last_eval > args.eval_every:
+            last_eval = time.time()
+            check(evaluate(model, W, val))
     bar.close()
     check(evaluate(model, W, val))
     dc.write_summary(OUT, state, args, unique_tokens, ntok(val), layers_from_target=layers, loss_vocab=args.vocab)

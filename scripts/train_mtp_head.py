@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 import zlib
@@ -160,15 +159,6 @@ def evaluate(head, E, W, pos_of, seqs, S, bs=4) -> dict:
             "count": sums[:, 2].astype(int).tolist()}
 
 
-def length_batches(seqs: list[dict], bs: int, rng: np.random.Generator) -> list[list[dict]]:
-    order = rng.permutation(len(seqs))
-    out = []
-    for i in range(0, len(order), 64 * bs):  # sort within windows: little padding, still shuffled
-        win = sorted(order[i:i + 64 * bs], key=lambda j: len(seqs[j]["tokens"]))
-        out += [[seqs[j] for j in win[k:k + bs]] for k in range(0, len(win), bs)]
-    return [out[i] for i in rng.permutation(len(out))]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--extract-minutes", type=float, default=18.0)
@@ -249,36 +239,28 @@ def main() -> None:
         mx.save_safetensors(str(OUT / "opt.safetensors"), dict(tree_flatten(opt.state)))
         state_path.write_text(json.dumps(state))
 
-    done = False
-    while not done:
-        for group in length_batches(train, args.batch, rng):
-            elapsed = time.time() - t_start
-            if elapsed >= budget:
-                done = True
-                break
-            frac = elapsed / budget
-            warm = min(1.0, (state["step"] + 1) / 50)
-            opt.learning_rate = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-            batch = make_batch(group, S)
-            loss, grads = grad_fn(batch)
-            grads, _ = optim.clip_grad_norm(grads, 1.0)
-            opt.update(head, grads)
-            mx.eval(head.parameters(), opt.state, loss)
-            state["step"] += 1
-            state["tokens_seen"] += int(sum(len(s["tokens"]) for s in group))
-            state["elapsed"] = time.time() - t_start
-            bar.update(int(state["elapsed"]) - bar.n)
-            bar.set_postfix(step=state["step"], loss=f"{float(loss):.3f}")
-            if time.time() - last_eval > args.eval_every:
-                last_eval = time.time()
-                ev = evaluate(head, E, W, pos_of, val, S)
-                state["history"].append({"step": state["step"], "minutes": round(state["elapsed"] / 60, 2), **ev})
-                score = sum(w * c for w, c in zip(STEP_WEIGHTS, ev["ce"]))
-                tqdm.write(f"step {state['step']} held-out ce {ev['ce']} top1 {ev['top1']}")
-                if state["best"] is None or score < state["best"]["score"]:
-                    state["best"] = {"score": score, "step": state["step"], **ev}
-                    save_head(head, OUT / "best")
-                save_state()
+    for group, lr in dc.timed_batches(train, args.batch, rng, budget, t_start, args.lr, 50, state["step"]):
+        opt.learning_rate = lr
+        batch = make_batch(group, S)
+        loss, grads = grad_fn(batch)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(head, grads)
+        mx.eval(head.parameters(), opt.state, loss)
+        state["step"] += 1
+        state["tokens_seen"] += int(sum(len(s["tokens"]) for s in group))
+        state["elapsed"] = time.time() - t_start
+        bar.update(int(state["elapsed"]) - bar.n)
+        bar.set_postfix(step=state["step"], loss=f"{float(loss):.3f}")
+        if time.time() - last_eval > args.eval_every:
+            last_eval = time.time()
+            ev = evaluate(head, E, W, pos_of, val, S)
+            state["history"].append({"step": state["step"], "minutes": round(state["elapsed"] / 60, 2), **ev})
+            score = sum(w * c for w, c in zip(STEP_WEIGHTS, ev["ce"]))
+            tqdm.write(f"step {state['step']} held-out ce {ev['ce']} top1 {ev['top1']}")
+            if state["best"] is None or score < state["best"]["score"]:
+                state["best"] = {"score": score, "step": state["step"], **ev}
+                save_head(head, OUT / "best")
+            save_state()
     bar.close()
     ev = evaluate(head, E, W, pos_of, val, S)
     state["history"].append({"step": state["step"], "minutes": round(state["elapsed"] / 60, 2), **ev})
