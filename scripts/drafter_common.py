@@ -27,7 +27,7 @@ EOS = 2  # <|im_end|>
 
 
 def load_target():
-    from specbatch.models import demo_pair, load
+    from specbatch.kernels.models import demo_pair, load
     return load(demo_pair()["target"])
 
 

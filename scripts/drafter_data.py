@@ -261,7 +261,7 @@ def main() -> None:
     args = ap.parse_args()
     deadline = time.time() + args.minutes * 60
     OUT.mkdir(parents=True, exist_ok=True)
-    from specbatch.models import demo_pair, load
+    from specbatch.kernels.models import demo_pair, load
     target = load(demo_pair()["target"])
     items = build_prompts(args.seed)
     (OUT / "prompts.json").write_text(json.dumps(items, indent=0))

@@ -56,7 +56,7 @@ def held_features(target):
 
 
 def mtp_ok(target, head_dir: Path, feats, n_keep: int | None):
-    from specbatch.drafters.mtp import load_head
+    from specbatch.kernels.drafters.mtp_checkpoint import load_head
     head = load_head(head_dir, target.model.args)
     ids = np.array(head.vocab_ids)
     if n_keep is not None and n_keep < len(ids):
@@ -116,8 +116,9 @@ def median_ms(fn, reps=40) -> float:
 
 
 def step_times(target, head_dir: Path | None, draft, n_keeps=(4096, 8192)) -> dict:
-    from specbatch.drafters.mtp import MTPDrafter, load_head
-    from specbatch.runner import ModelRunner, prefill
+    from specbatch.kernels.drafters.mtp import MTPDrafter
+    from specbatch.kernels.drafters.mtp_checkpoint import load_head
+    from specbatch.kernels.runner import ModelRunner, prefill
     runner = ModelRunner(target.model)
     ctx = list(range(1000, 1200))
     cache = runner.make_cache()
@@ -164,8 +165,10 @@ def install(res: dict, mtp_dir: Path | None, draft_dir: Path | None, target) -> 
     to demo_models/mtp-candidate. Its kept vocabulary is the measured better of 4096/8192
     (the smaller one on a tie within 0.01 tau: it is the cheaper step)."""
     import shutil
-    from specbatch.drafters.mtp import load_head, save_head
-    from specbatch.models import DEMO_DIR
+
+    from specbatch.kernels.drafters.mtp import save_head
+    from specbatch.kernels.drafters.mtp_checkpoint import load_head
+    from specbatch.kernels.models import DEMO_DIR
     if mtp_dir is not None:
         t4, t8 = res["mtp_top4096"]["all"]["tau_by_k"], res["mtp_top8192"]["all"]["tau_by_k"]
         n = 4096 if max(t4) >= max(t8) - 0.01 else 8192
@@ -213,7 +216,7 @@ def main() -> None:
             res[f"mtp_top{n}"] = summarize(ok, kinds)
     draft = None
     if Path(args.draft, "config.json").exists():
-        from specbatch.models import load
+        from specbatch.kernels.models import load
         draft = load(args.draft)
         ok, kinds = draft_ok(draft, feats)
         res["draft_model"] = summarize(ok, kinds)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from specbatch.models import demo_pair, load
+from specbatch.kernels.models import demo_pair, load
 
 
 def step_ms(model, n: int, context: int = 256, reps: int = 60) -> float:

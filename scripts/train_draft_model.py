@@ -36,8 +36,8 @@ OUT = dc.BUILD / "draft"
 
 
 def target_folder() -> Path:
-    from specbatch.gguf import cached_folder
-    from specbatch.models import demo_pair
+    from specbatch.kernels.gguf import cached_folder
+    from specbatch.kernels.models import demo_pair
     return cached_folder(demo_pair()["target"], dequantize=False)
 
 

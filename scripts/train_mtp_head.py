@@ -37,7 +37,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 import drafter_common as dc  # noqa: E402
 
-from specbatch.drafters.mtp import MTPHead, head_config, save_head  # noqa: E402
+from specbatch.kernels.drafters.mtp import MTPHead, head_config, save_head  # noqa: E402
 
 OUT = dc.BUILD / "mtp"
 STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5, 0.4)

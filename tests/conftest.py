@@ -16,7 +16,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    from specbatch.tiny import build_tiny_model
+    from specbatch.testing.tiny import build_tiny_model
     root = tmp_path_factory.mktemp("models")
     return {
         "llama": build_tiny_model(root / "llama", "llama", seed=0, tie=False),
@@ -28,17 +28,17 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     return load(model_dir["llama"])
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     return load(model_dir["qwen3"])
 
 
 @pytest.fixture(scope="session")
 def tiny_draft(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     return load(model_dir["draft"])

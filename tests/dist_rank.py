@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from specbatch.sampling import SamplingParams
+from specbatch.runtime.params import SamplingParams
 
 PROMPTS = ["def f(x):", "import os\nimport sys\n", "class A:\n    pass\n", "x = 1"]
 
@@ -55,8 +55,8 @@ def fault_stream(engine) -> None:
 def main() -> None:
     out, target, draft, verify = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     fault = len(sys.argv) > 5
-    from specbatch.dist import Peers, follow, sharded_engine
-    from specbatch.models import load
+    from specbatch.kernels.models import load
+    from specbatch.serving.dist import Peers, follow, sharded_engine
 
     peers = Peers.init("ring", timeout_s=4.0 if fault else 60.0)
     if not peers.driver:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import attrs
 
-from specbatch.core import StepEvent
-from specbatch.loops.batch import BatchLoop
-from specbatch.loops.scalar import ScalarLoop
-from specbatch.kernels import make_drafter
-from specbatch.request import Request
-from specbatch.runner import ModelRunner
-from specbatch.sampling import SamplingParams
+from specbatch.kernels.build import make_drafter
+from specbatch.kernels.loops.batch import BatchLoop
+from specbatch.kernels.loops.scalar import ScalarLoop
+from specbatch.kernels.runner import ModelRunner
+from specbatch.runtime.core import StepEvent
+from specbatch.runtime.params import SamplingParams
+from specbatch.runtime.request import Request
 
 
 def make_request(loaded, prompt, **params) -> Request:
@@ -125,8 +125,8 @@ def drive(core, arrivals: dict | None = None, cancels: dict | None = None, run: 
 
 def plain_streams(target, jobs) -> list[list[int]]:
     """Each ``(prompt, params)`` job decoded alone with speculation off."""
-    from specbatch.config import EngineConfig
-    from specbatch.core import EngineCore
+    from specbatch.runtime.config import EngineConfig
+    from specbatch.runtime.core import EngineCore
 
     out = []
     with EngineCore(target, None, EngineConfig(speculation=False)) as core:

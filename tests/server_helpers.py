@@ -11,7 +11,7 @@ import time
 import openai
 import uvicorn
 
-from specbatch.server.app import create_app
+from specbatch.serving.http.app import create_app
 
 
 def free_port() -> int:

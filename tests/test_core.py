@@ -6,7 +6,7 @@ import pytest
 from helpers import Run, drive, inject_failure, plain_streams
 
 from specbatch import EngineClosed, EngineCore, InvalidRequest, QueueFull, SamplingParams, StepEvent
-from specbatch.config import EngineConfig
+from specbatch.runtime.config import EngineConfig
 
 
 def greedy(n: int) -> SamplingParams:

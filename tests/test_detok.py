@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specbatch.detok import TextStream
+from specbatch.runtime.detok import TextStream
 
 
 def run(tok, ids, stops=()):

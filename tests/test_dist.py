@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import dist_rank
 import pytest
 
-import dist_rank
 from specbatch import Engine
-from specbatch.config import EngineConfig
+from specbatch.runtime.config import EngineConfig
 
 RANK = Path(__file__).with_name("dist_rank.py")
 pytestmark = pytest.mark.slow

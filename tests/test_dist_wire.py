@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from specbatch.config import EngineConfig
-from specbatch.dist import PeerLost, follow
-from specbatch.dist.relay import EchoDrafter
-from specbatch.dist.wire import decode_hello, decode_plan, encode_hello, encode_plan
-from specbatch.drafters.base import Capture
-from specbatch.plan import Plan
-from specbatch.request import Request
-from specbatch.sampling import SamplingParams
+from specbatch.kernels.drafters.base import Capture
+from specbatch.runtime.config import EngineConfig
+from specbatch.runtime.params import SamplingParams
+from specbatch.runtime.plan import Plan
+from specbatch.runtime.request import Request
+from specbatch.serving.dist import PeerLost, follow
+from specbatch.serving.dist.relay import EchoDrafter
+from specbatch.serving.dist.wire import decode_hello, decode_plan, encode_hello, encode_plan
 
 params = st.builds(SamplingParams, max_tokens=st.integers(1, 4096), temperature=st.floats(0, 2),
                    top_p=st.floats(0.01, 1.0), top_k=st.integers(0, 100), seed=st.integers(0, 2**63),
@@ -51,7 +52,7 @@ class ScriptedPeers:
 
 
 def test_a_follower_that_drifts_stops_loudly(tiny, monkeypatch):
-    monkeypatch.setattr("specbatch.dist.sharded.shard_target", lambda target, peers: None)
+    monkeypatch.setattr("specbatch.serving.dist.sharded.shard_target", lambda target, peers: None)
     hello = encode_hello(EngineConfig(speculation=False), tiny.name, tiny.n_layers, tiny.vocab_size, False)
     assert decode_hello(hello)["config"] == EngineConfig(speculation=False)
     request = Request.create([1, 2, 3], SamplingParams(max_tokens=2, seed=1), tiny.tokenizer)
@@ -62,7 +63,7 @@ def test_a_follower_that_drifts_stops_loudly(tiny, monkeypatch):
 
 
 def test_a_follower_refuses_a_different_target(tiny, monkeypatch):
-    monkeypatch.setattr("specbatch.dist.sharded.shard_target", lambda target, peers: None)
+    monkeypatch.setattr("specbatch.serving.dist.sharded.shard_target", lambda target, peers: None)
     hello = encode_hello(EngineConfig(), "other", tiny.n_layers + 1, tiny.vocab_size, True)
     with pytest.raises(PeerLost, match="different target"):
         follow(ScriptedPeers([hello]), tiny)

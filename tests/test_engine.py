@@ -9,7 +9,7 @@ import time
 import pytest
 
 from specbatch import Engine, InvalidRequest, SamplingParams
-from specbatch.config import EngineConfig
+from specbatch.runtime.config import EngineConfig
 
 PROMPTS = ["def f(x):", "import os\nimport sys\n", "class A:\n    pass\n" * 3, "x = 1", "# comment\n" * 9,
            "return", "for i in range(10):\n    print(i)\n", "while True:"]
@@ -144,7 +144,7 @@ def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(tiny):
 
 
 def test_kv_budget_makes_admission_wait(tiny):
-    from specbatch.models import kv_bytes_per_token
+    from specbatch.kernels.models import kv_bytes_per_token
     per_row = (8 + 20 + 5) * kv_bytes_per_token(tiny.model)
     with Engine(tiny, None, EngineConfig(speculation=False, kv_budget_bytes=int(per_row * 2.5))) as engine:
         handles = [engine.submit([5] * 8, SamplingParams(max_tokens=20, ignore_eos=True)) for _ in range(6)]

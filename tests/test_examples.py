@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from specbatch import Engine
-from specbatch.config import EngineConfig
+from specbatch.runtime.config import EngineConfig
 
 
 def test_http_server_example(tiny):

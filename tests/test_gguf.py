@@ -14,8 +14,8 @@ from mlx.utils import tree_flatten
 
 gguf = pytest.importorskip("gguf")
 
-from specbatch import gguf as loader  # noqa: E402
-from specbatch.models import load  # noqa: E402
+from specbatch.kernels import gguf as loader  # noqa: E402
+from specbatch.kernels.models import load  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 # relative logit error allowed per tensor type (quantization noise on random weights)
@@ -156,7 +156,7 @@ def test_cli_names_what_is_unsupported_without_a_traceback(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    run = subprocess.run([sys.executable, "-m", "specbatch.cli", "generate", "--prompt", "x",
+    run = subprocess.run([sys.executable, "-m", "specbatch.serving.cli", "generate", "--prompt", "x",
                           "--model", str(tmp_path / "phi.gguf")], capture_output=True, text=True,
                          env={"SPECBATCH_NO_OPENBLAS": "1", "PATH": "/usr/bin:/bin"}, timeout=120)
     assert run.returncode == 2

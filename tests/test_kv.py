@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
-from specbatch.kv import BatchKV, RaggedKVCache, check_supported
+from specbatch.kernels.kv import BatchKV, RaggedKVCache, check_supported
+from specbatch.kernels.paged_kv import batch_kv
 
 
 def alone_logits(model, tokens: list[int], n: int) -> mx.array:
@@ -40,7 +41,7 @@ def test_ragged_cache_matches_rows_alone(request, which, layout, lengths, schedu
     rng = random.Random(seed)
     draw = lambda n: [rng.randrange(3, 500) for _ in range(n)]  # noqa: E731
     histories: list[list[int]] = []
-    kv = BatchKV.empty(len(model.layers), layout=layout)
+    kv = batch_kv(len(model.layers), layout=layout)
     for n in lengths:
         histories.append(draw(n))
         kv.extend(prefill_row(model, histories[-1]))
@@ -123,7 +124,7 @@ def _rows(layer, lengths):
 def test_quantized_rollback_is_exact(tiny, bits):
     """Trimming after an append gives exactly the state of never appending, per row."""
     model = tiny.model
-    kv, twin = (BatchKV.empty(len(model.layers), layout="paged", kv_bits=bits) for _ in range(2))
+    kv, twin = (batch_kv(len(model.layers), layout="paged", kv_bits=bits) for _ in range(2))
     for cache in (kv, twin):
         cache.extend(prefill_row(model, list(range(5, 40))))
         cache.extend(prefill_row(model, [9, 10, 11]))
@@ -148,7 +149,7 @@ def test_paged_allocation_close_to_need(tiny):
     rng = random.Random(0)
     lengths = [rng.randrange(100, 600) for _ in range(8)]
     for layout, bound in (("paged", 1.10), ("dense", None)):
-        kv = BatchKV.empty(len(model.layers), layout=layout)
+        kv = batch_kv(len(model.layers), layout=layout)
         for n in lengths:
             kv.extend(prefill_row(model, [rng.randrange(3, 500) for _ in range(n)]))
         for _ in range(3):  # a few verify rounds with per-row rollback
@@ -166,7 +167,7 @@ def test_engine_with_8bit_kv_serves_a_speculating_batch(tiny, tiny_draft):
     """kv_bits=8 end to end: a speculating batch (per-row rollback every round) completes
     every request; its batch KV is the 8-bit paged cache."""
     from specbatch import Engine, SamplingParams
-    from specbatch.config import EngineConfig
+    from specbatch.runtime.config import EngineConfig
 
     with Engine(tiny, tiny_draft, EngineConfig(num_draft_tokens=3, speculative_width_cap=0, kv_bits=8)) as engine:
         handles = [engine.submit(list(range(5, 5 + n)), SamplingParams(max_tokens=12, ignore_eos=True, seed=i))

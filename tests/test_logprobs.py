@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-
 from helpers import drive, make_request
-from specbatch.config import EngineConfig
-from specbatch.core import EngineCore
-from specbatch.drafters.model import ModelDrafter
-from specbatch.loops.batch import BatchLoop
-from specbatch.loops.scalar import ScalarLoop
-from specbatch.runner import ModelRunner
-from specbatch.sampling import SamplingParams
+
+from specbatch.kernels.drafters.model import ModelDrafter
+from specbatch.kernels.loops.batch import BatchLoop
+from specbatch.kernels.loops.scalar import ScalarLoop
+from specbatch.kernels.runner import ModelRunner
+from specbatch.runtime.config import EngineConfig
+from specbatch.runtime.core import EngineCore
+from specbatch.runtime.params import SamplingParams
 
 TOL = 1e-4
 PROMPTS = ["def f(x):", "import os\n", "class A:", "x = [1, 2"]

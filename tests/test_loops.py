@@ -6,10 +6,10 @@ import mlx.core as mx
 import pytest
 from helpers import make_request, run_batch, run_plain, run_scalar
 
-from specbatch.drafters.model import ModelDrafter
-from specbatch.loops.batch import BatchLoop
-from specbatch.loops.scalar import ScalarLoop
-from specbatch.runner import ModelRunner
+from specbatch.kernels.drafters.model import ModelDrafter
+from specbatch.kernels.loops.batch import BatchLoop
+from specbatch.kernels.loops.scalar import ScalarLoop
+from specbatch.kernels.runner import ModelRunner
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    pass\n" * 2, "x = 1", "# c\n" * 6, "return", "while 1:", "y"]
 
@@ -96,7 +96,7 @@ def test_stops_inside_an_accepted_run(tiny):
     from helpers import drive
 
     from specbatch import EngineCore, SamplingParams
-    from specbatch.config import EngineConfig
+    from specbatch.runtime.config import EngineConfig
     params = SamplingParams(seed=0, max_tokens=40, stop=[stop], ignore_eos=True)
     for burst in (1, 2):
         with EngineCore(tiny, tiny, EngineConfig(num_draft_tokens=8, speculative_width_cap=4)) as core:
@@ -137,7 +137,8 @@ def test_a_burst_joins_an_armed_batch_in_one_prefill(tiny, tiny_draft, drafter_k
     """Rows prefilled together (left-padded, ragged starts) join an armed loop and its
     drafter; every stream still equals plain decoding."""
     from helpers import make_request
-    from specbatch.kernels import make_drafter
+
+    from specbatch.kernels.build import make_drafter
     drafter = tiny_draft if drafter_kind == "model" else tiny
     params = dict(max_tokens=12, ignore_eos=True)
     plain = [run_plain(tiny, p, **params) for p in PROMPTS[:6]]
@@ -159,14 +160,15 @@ def test_a_burst_joins_an_armed_batch_in_one_prefill(tiny, tiny_draft, drafter_k
 def test_adaptive_draft_length_follows_acceptance(tiny, tiny_draft):
     """A perfect drafter keeps rounds at k; a random one shrinks them to one draft; the
     streams stay plain decoding's either way."""
-    from specbatch.loops.verify import RoundResult, next_k
+    from specbatch.kernels.loops.verify import RoundResult, next_k
     assert next_k(2, 6, RoundResult([], [2, 2], 2)) == 4  # all accepted: +2
     assert next_k(5, 6, RoundResult([], [5], 5)) == 6  # ...up to the most
     assert next_k(4, 6, RoundResult([], [1, 0], 4)) == 3  # under half: -1
     assert next_k(1, 6, RoundResult([], [0], 1)) == 1  # never below one
     assert next_k(4, 6, RoundResult([], [3, 2], 4)) == 4  # in between: keep
     from helpers import make_request
-    from specbatch.kernels import make_drafter
+
+    from specbatch.kernels.build import make_drafter
     for drafter, oracle in ((tiny, True), (tiny_draft, False)):
         request = make_request(tiny, "def f(x):", max_tokens=40, ignore_eos=True)
         runner = ModelRunner(tiny.model)

@@ -13,9 +13,9 @@ import pytest
 from helpers import Run, drive, plain_streams
 
 from specbatch import EngineCore, SamplingParams
-from specbatch.config import EngineConfig, check_cap, load_pair
-from specbatch.machine import STATES, TRANSITIONS
-from specbatch.statechart import CHART, render
+from specbatch.runtime.config import EngineConfig, check_cap, load_pair
+from specbatch.runtime.machine import STATES, TRANSITIONS
+from specbatch.tools.statechart import CHART, render
 
 EDGES = {f"{s}->{d}" for _, src, d, *_ in TRANSITIONS for s in (src if isinstance(src, list) else [src])}
 LONG = "def f(x):"
@@ -283,7 +283,7 @@ def test_chart_matches_the_machine():
 def test_trace_draws_the_path_a_run_took(tmp_path):
     import json
 
-    from specbatch.statechart import trace
+    from specbatch.tools.statechart import trace
     log = tmp_path / "run.jsonl"
     events = [{"event": "transition", "source": "Idle", "dest": "Scalar", "trigger": "start_scalar"},
               {"event": "admit", "request": "req-1"},
@@ -302,7 +302,7 @@ def test_chart_tool_runs_without_mlx():
     import sys
     from pathlib import Path
 
-    code = ("import sys; from specbatch.cli import build_parser; "
+    code = ("import sys; from specbatch.serving.cli import build_parser; "
             "args = build_parser().parse_args(['statechart', '--check']); rc = args.func(args); "
             "loaded = [m for m in sys.modules if m.startswith('mlx')]; "
             "assert not loaded, loaded; sys.exit(rc)")
@@ -314,7 +314,7 @@ def test_chart_tool_runs_without_mlx():
 
 
 def test_the_chart_draws_the_capture_round_and_each_states_order():
-    from specbatch.machine import ROUNDS
+    from specbatch.runtime.machine import ROUNDS
     chart = CHART.read_text()
     assert "Batched --> Batched: capture [unarmed]" in chart
     assert "Gated --> Batched: rearm [rearm_pays]" in chart

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from specbatch import blas
-from specbatch.models import ModelNotFound, check_pair, load
+from specbatch.kernels.models import ModelNotFound, check_pair, load
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -32,7 +32,7 @@ def test_unknown_model_is_a_clear_error(tmp_path):
 
 
 def test_vocabularies_must_match(tmp_path, tiny):
-    from specbatch.tiny import build_tiny_model
+    from specbatch.testing.tiny import build_tiny_model
     other = load(build_tiny_model(tmp_path / "v", vocab=384))
     with pytest.raises(ValueError, match="vocabulary"):
         check_pair(tiny, other)
@@ -54,7 +54,7 @@ def _load_in_plain_python(folder, env_extra):
     import sys
     env = {k: v for k, v in os.environ.items()
            if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH", "SPECBATCH_BLAS_REEXEC")}
-    code = (f"import specbatch; from specbatch.models import load; load({str(folder)!r}); load({str(folder)!r}); "
+    code = (f"import specbatch; from specbatch.kernels.models import load; load({str(folder)!r}); load({str(folder)!r}); "
             "from specbatch.openblas import active_blas; import sys; print('blas:', active_blas(), file=sys.stderr)")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**env, **env_extra}).stderr

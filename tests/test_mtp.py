@@ -8,11 +8,12 @@ from helpers import make_request, run_batch, run_plain, run_scalar
 from test_properties import run_schedules
 
 from specbatch import Engine, SamplingParams
-from specbatch.config import EngineConfig
-from specbatch.drafters.mtp import MTPDrafter, MTPHead, head_config, load_head, save_head
-from specbatch.loops.batch import BatchLoop
-from specbatch.loops.scalar import ScalarLoop
-from specbatch.runner import ModelRunner
+from specbatch.kernels.drafters.mtp import MTPDrafter, MTPHead, head_config, save_head
+from specbatch.kernels.drafters.mtp_checkpoint import load_head
+from specbatch.kernels.loops.batch import BatchLoop
+from specbatch.kernels.loops.scalar import ScalarLoop
+from specbatch.kernels.runner import ModelRunner
+from specbatch.runtime.config import EngineConfig
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    pass\n", "x = 1", "# c\n" * 4]
 
@@ -72,7 +73,7 @@ def test_head_round_trip_and_checkpoint_layout(tiny, head, tmp_path):
     again = load_head(tmp_path / "ours")
     h = mx.random.normal((1, head.config["hidden_size"]))
     assert mx.allclose(again.eh_proj(mx.concatenate([h, h], -1)), head.eh_proj(mx.concatenate([h, h], -1)), atol=1e-2)
-    from specbatch.drafters.mtp_checkpoint import write_tiny_checkpoint
+    from specbatch.kernels.drafters.mtp_checkpoint import write_tiny_checkpoint
     for style in ("deepseek", "qwen3-next"):
         folder = write_tiny_checkpoint(tmp_path / style, tiny, style=style)
         loaded = load_head(folder, tiny.model.args)

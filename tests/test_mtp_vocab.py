@@ -5,8 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 from helpers import run_batch, run_plain, run_scalar
 
-from specbatch.drafters.mtp import MTPDrafter, MTPHead, head_config, load_head, save_head
-from specbatch.runner import ModelRunner, prefill
+from specbatch.kernels.drafters.mtp import MTPDrafter, MTPHead, head_config, save_head
+from specbatch.kernels.drafters.mtp_checkpoint import load_head
+from specbatch.kernels.runner import ModelRunner, prefill
 
 PROMPTS = ["def f(x):", "import os\n", "x = 1"]
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import run_batch, run_plain, run_scalar
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specbatch import Engine, SamplingParams
-from specbatch.config import EngineConfig
-from specbatch.drafters.base import Capture
-from specbatch.drafters.ngram import NGramDrafter, NGramSource, propose
+from specbatch.kernels.drafters.base import Capture
+from specbatch.kernels.drafters.ngram import NGramDrafter, NGramSource, propose
+from specbatch.runtime.config import EngineConfig
 
 PROMPTS = ["def f(x):\n    return x\ndef f(x):\n", "import os\nimport os\nimport", "x = 1", "a b a b a b"]
 

@@ -6,9 +6,10 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from specbatch.kv import BatchKV
-from specbatch.prompt_cache import PromptCache
-from specbatch.runner import ModelRunner, prefill
+from specbatch.kernels.kv import BatchKV
+from specbatch.kernels.paged_kv import batch_kv
+from specbatch.kernels.prompt_cache import PromptCache
+from specbatch.kernels.runner import ModelRunner, prefill
 
 SYSTEM = list(range(10, 60))  # a 50-token shared system prompt
 
@@ -74,7 +75,7 @@ class _Loop:
 def test_offer_rows_serves_an_arrival_while_the_first_still_runs(tiny):
     runner = ModelRunner(tiny.model)
     first = SYSTEM + [1, 2, 3]
-    kv = BatchKV.empty(runner.n_layers)
+    kv = batch_kv(runner.n_layers)
     kv.extend(BatchKV.from_singles(single(runner, first)))
     cache = PromptCache(max_bytes=64 << 20)
     cache.offer_rows(_Loop([_Row(_Req("a", first))], kv))

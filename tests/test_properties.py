@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from specbatch import EngineCore, SamplingParams
-from specbatch.config import EngineConfig
-from specbatch.fake import FakeModel
-from specbatch.machine import STATES, TRANSITIONS
-from specbatch.models import LoadedModel
+from specbatch.kernels.models import LoadedModel
+from specbatch.runtime.config import EngineConfig
+from specbatch.runtime.machine import STATES, TRANSITIONS
+from specbatch.testing.fake import FakeModel
 
 EDGES = {f"{s}->{d}" for _, src, d, *_ in TRANSITIONS for s in (src if isinstance(src, list) else [src])}
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from specbatch import EngineCore, SamplingParams
-from specbatch.config import EngineConfig
-from specbatch.models import ModelNotFound, chat_prompt as chat, embedded_target, load
+from specbatch.kernels.models import ModelNotFound, embedded_target, load
+from specbatch.kernels.models import chat_prompt as chat
+from specbatch.runtime.config import EngineConfig
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +43,7 @@ def test_greedy_chat_answer_names_canberra(smol):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_prompt_lookup_speculation_equals_plain_alone_and_batched(smol, temperature):
-    from specbatch.drafters.ngram import NGramSource
+    from specbatch.kernels.drafters.ngram import NGramSource
     jobs = [(chat(smol.tokenizer, q), SamplingParams(max_tokens=40, temperature=temperature, seed=7 + i))
             for i, q in enumerate(QUESTIONS)]
     with EngineCore(smol, None, EngineConfig(speculation=False)) as plain:

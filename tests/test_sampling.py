@@ -5,7 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from specbatch.sampling import RowSampling, SamplingParams, positions_from, sample
+from specbatch.kernels.sampling import RowSampling, positions_from, sample
+from specbatch.runtime.params import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, match", [

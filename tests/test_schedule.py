@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specbatch import calibration
-from specbatch.config import EngineConfig
-from specbatch.sampling import SamplingParams
-from specbatch.schedule import Band, DraftSchedule
+from specbatch.runtime import calibration
+from specbatch.runtime.config import EngineConfig
+from specbatch.runtime.params import SamplingParams
+from specbatch.runtime.schedule import Band, DraftSchedule
+from specbatch.tools.calibrate import best_k
 
 SCHEDULE = DraftSchedule([1, 2, 4, 8], [Band(0.0, [4, 3, 2, 0]), Band(0.7, [2, 1, 0, 0])])
 
@@ -59,8 +60,8 @@ def test_without_a_schedule_the_cap_and_hot_limit_decide():
 
 
 def test_calibration_picks_each_cell_and_stores_the_schedule(tmp_path, monkeypatch):
-    assert calibration.best_k({0: 10.0, 1: 12.0, 2: 14.0, 4: 13.0}) == 2
-    assert calibration.best_k({0: 10.0, 1: 10.2, 2: 9.0}) == 0  # within the margin: plain
+    assert best_k({0: 10.0, 1: 12.0, 2: 14.0, 4: 13.0}) == 2
+    assert best_k({0: 10.0, 1: 10.2, 2: 9.0}) == 0  # within the margin: plain
     monkeypatch.setenv("SPECBATCH_CALIBRATION", str(tmp_path / "cal.json"))
     calibration.store("/m/target.gguf", "ngram", SCHEDULE, {})
     assert calibration.lookup("/x/target.gguf", "ngram", "schedule", DraftSchedule.from_json) == SCHEDULE
@@ -71,7 +72,7 @@ def test_calibration_picks_each_cell_and_stores_the_schedule(tmp_path, monkeypat
 def test_engine_drafts_what_the_schedule_says_at_each_width(tiny):
     from helpers import drive, plain_streams
 
-    from specbatch.core import EngineCore
+    from specbatch.runtime.core import EngineCore
     schedule = DraftSchedule([1, 2], [Band(1.0, [3, 1])])
     config = EngineConfig(speculative_width_cap=0, num_draft_tokens=6, draft_schedule=schedule, adaptive_k=False)
     jobs = [(p, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)) for p in ("def f(x):", "x = 1")]

@@ -11,12 +11,12 @@ import pytest
 from server_helpers import Gate, Served, raw_request, read_response, until
 
 from specbatch import Engine
-from specbatch.config import EngineConfig
+from specbatch.runtime.config import EngineConfig
 
 
 @pytest.fixture(scope="module")
 def spec_server(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     tiny = load(model_dir["llama"])
     served = Served(Engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2,
                                                     rearm_min_remaining=4, max_queue=64)))
@@ -26,7 +26,7 @@ def spec_server(model_dir):
 
 @pytest.fixture(scope="module")
 def plain_server(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     served = Served(Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)))
     yield served
     served.close()
@@ -57,7 +57,7 @@ def seeded(served, prompt, seed, n=24):
 
 
 def spec_engine(model_dir, **config) -> Engine:
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     tiny = load(model_dir["llama"])
     return Engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2, rearm_min_remaining=4,
                                            max_queue=64, **config))
@@ -129,7 +129,7 @@ def test_multi_turn_chat_hits_the_prompt_cache(spec_server):
 
 
 def test_api_key_and_body_limit(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     served = Served(Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)), api_key="s3cret",
                     max_body=2000)
     try:
@@ -149,7 +149,7 @@ def test_api_key_and_body_limit(model_dir):
 
 
 def test_queue_full_is_503_with_retry_after(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_queue=1, max_batch=1))
     gate, served = Gate(engine), Served(engine)
     try:
@@ -172,7 +172,7 @@ def test_queue_full_is_503_with_retry_after(model_dir):
 def test_failure_after_streaming_started_sends_an_error_event(model_dir):
     from helpers import inject_failure
 
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False))
     served = Served(engine)
     try:
@@ -194,7 +194,7 @@ def test_created_is_per_response_ids_unique_fingerprint_stable(spec_server, monk
 
     import attrs
 
-    from specbatch.server import app as app_module
+    from specbatch.serving.http import app as app_module
     c = spec_server.client
     later = 4102444800  # 2100-01-01: no server started then, so "created" cannot be its start time
     monkeypatch.setattr(app_module, "time", types.SimpleNamespace(time=lambda: later + 0.5))
@@ -234,7 +234,7 @@ def test_max_tokens_past_the_context_is_400_stating_the_room(spec_server):
 
 
 def test_the_room_follows_max_model_len(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     served = Served(Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_model_len=64)))
     try:
         r = httpx.post(f"{served.url}/v1/completions", json={"prompt": [7] * 60, "max_tokens": 5})
@@ -245,7 +245,7 @@ def test_the_room_follows_max_model_len(model_dir):
 
 
 def test_n_completions_each_equal_the_request_alone_with_its_derived_seed(spec_server):
-    from specbatch.server.fanout import derive_seed
+    from specbatch.serving.http.fanout import derive_seed
     kw = dict(model="tiny", prompt="def g(y):", max_tokens=16, temperature=0.8)
     many = spec_server.client.completions.create(n=3, seed=41, **kw)
     assert [c.index for c in many.choices] == [0, 1, 2]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from server_helpers import Served, call
 
 from specbatch import Engine
-from specbatch.config import EngineConfig
+from specbatch.runtime.config import EngineConfig
 
 ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
           ("POST", "/v1/chat/completions"), ("GET", "/nope"), ("DELETE", "/v1/completions")]
@@ -20,7 +20,7 @@ ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"), ("POST
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     tiny = load(model_dir["llama"])
     served = Served(Engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2, max_queue=64)))
     yield served

@@ -19,12 +19,12 @@ import pytest
 from server_helpers import Gate, Served, free_port, raw_request, read_response, sse_events, until
 
 from specbatch import Engine
-from specbatch.config import EngineConfig
-from specbatch.server.serve import EXIT_CUT, GracefulServer
+from specbatch.runtime.config import EngineConfig
+from specbatch.serving.http.serve import EXIT_CUT, GracefulServer
 
 
 def _engine(model_dir, speculate: bool) -> Engine:
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     target = load(model_dir["llama"])
     config = EngineConfig(num_draft_tokens=3) if speculate else EngineConfig(speculation=False)
     return Engine(target, target if speculate else None, config)
@@ -67,7 +67,7 @@ def test_a_gone_client_is_cancelled_and_freed_within_one_round(model_dir, stream
 
 
 def test_a_gone_client_still_waiting_for_admission_is_cancelled(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_batch=1))
     served, gate = Served(engine), Gate(engine)
     cancelled = _watch_cancels(engine)
@@ -161,7 +161,7 @@ class ServeProcess:
     def __init__(self, model: str, *args: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "specbatch.cli", "serve", "--model", model,
+        self.proc = subprocess.Popen([sys.executable, "-m", "specbatch.serving.cli", "serve", "--model", model,
                                       "--no-speculation", "--port", str(self.port), *args],
                                      env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         until(self._up, timeout=120)

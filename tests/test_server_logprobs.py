@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from helpers import drive
 from server_helpers import Served
 
-from helpers import drive
-from specbatch.config import EngineConfig
-from specbatch.core import EngineCore
-from specbatch.engine import Engine
-from specbatch.sampling import SamplingParams
+from specbatch.runtime.config import EngineConfig
+from specbatch.runtime.core import EngineCore
+from specbatch.runtime.engine import Engine
+from specbatch.runtime.params import SamplingParams
 
 CHAT = [{"role": "user", "content": "x = 1"}]
 
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    from specbatch.models import load
+    from specbatch.kernels.models import load
     tiny = load(model_dir["llama"])
     served = Served(Engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2,
                                                     rearm_min_remaining=4)))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from specbatch.loops.verify import rejection_chooser, verify_coupled, verify_rejection
-from specbatch.sampling import RowSampling, SamplingParams
+from specbatch.kernels.loops.verify import rejection_chooser, verify_coupled, verify_rejection
+from specbatch.kernels.sampling import RowSampling
+from specbatch.runtime.params import SamplingParams
 
 
 def test_exact_match_counts_the_leading_run():
@@ -34,7 +35,7 @@ def test_rejection_sampling_reproduces_the_target_distribution(temperature, top_
     tokens, accepted = verify_rejection(target_logits, draft_logits, drafts, rows, starts)
     tokens, accepted = tokens.tolist(), accepted.tolist()
     # the target's own sampling distribution (filters and temperature applied)
-    from specbatch.loops.verify import _probs
+    from specbatch.kernels.loops.verify import _probs
     want = _probs(target_logits[:1, :1], RowSampling.of([rows_one(temperature, top_p)]))[0, 0].tolist()
     for i in range(k + 1):
         emitted = [t[i] for t, a in zip(tokens, accepted) if a >= i]

@@ -16,8 +16,10 @@ from .logs import configure_default as _configure_logs  # noqa: E402
 _configure_logs()
 
 _EXPORTS = {
-    "Engine": ".engine", "EngineCore": ".core", "StepEvent": ".core", "SamplingParams": ".sampling",
-    "Completion": ".request", "RequestHandle": ".request", "TokenEvent": ".request", "Usage": ".request",
+    "Engine": ".runtime.engine", "EngineCore": ".runtime.core", "StepEvent": ".runtime.core",
+    "SamplingParams": ".runtime.params", "TokenLogprob": ".runtime.params",
+    "Completion": ".runtime.request", "RequestHandle": ".runtime.request", "TokenEvent": ".runtime.request",
+    "Usage": ".runtime.request",
     "InvalidRequest": ".errors", "EngineClosed": ".errors", "QueueFull": ".errors",
 }
 __all__ = list(_EXPORTS)

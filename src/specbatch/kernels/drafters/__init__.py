@@ -1,0 +1,1 @@
+"""Drafters: prompt lookup, a separate draft model, and the MTP head (``base.Drafter``)."""

@@ -1,0 +1,95 @@
+"""A separate draft model (any mlx-lm model with the target's vocabulary) as a Drafter.
+
+It keeps its own cache: one mlx-lm ``KVCache`` per layer while it serves the scalar
+loop, a ragged ``BatchKV`` once converted for the batch loop. Its cold start prefills
+each row's history.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from ..kv import BatchKV
+from ..paged_kv import batch_kv
+from ..runner import PREFILL_CHUNK
+from .base import Capture, Chooser
+
+
+class ModelDrafter:
+    """Drafts with a small mlx-lm model; ``batch=False`` keeps a single-sequence cache."""
+
+    def __init__(self, model: nn.Module, batch: bool = True):
+        self.model = model
+        self.n_layers = len(model.layers)
+        self.batch = batch
+        self._single: list[KVCache] | None = None
+        self.kv = batch_kv(self.n_layers)
+
+    @property
+    def width(self) -> int:
+        return self.kv.width if self.batch else int(self._single is not None)
+
+    @property
+    def cache(self) -> list:
+        return self.kv.layers if self.batch else self._single
+
+    def _prefill(self, tokens: list[int]) -> list[KVCache]:
+        cache = [KVCache() for _ in range(self.n_layers)]
+        for i in range(0, len(tokens), PREFILL_CHUNK):
+            self.model(mx.array(tokens[i:i + PREFILL_CHUNK])[None], cache=cache)
+            mx.eval([c.keys for c in cache])
+        return cache
+
+    def draft(self, prev: mx.array, pending: mx.array, k: int, choose: Chooser, context=None):
+        feed = mx.stack([prev, pending], axis=1)  # [B, 2]
+        tokens, logits = [], []
+        for j in range(k):
+            step = self.model(feed, cache=self.cache)[:, -1, :]  # [B, V]
+            token = choose(step, j)  # [B]
+            tokens.append(token)
+            logits.append(step)
+            if j + 1 < k:
+                feed = token[:, None]
+        return mx.stack(tokens, axis=1), mx.stack(logits, axis=1)  # [B, k], [B, k, V]
+
+    def rollback(self, counts: list[int], hidden=None) -> None:
+        if self.batch:
+            self.kv.trim_rows(counts)
+        else:
+            for c in self._single:
+                c.trim(counts[0])
+
+    def add_rows(self, histories: list[list[int]], hidden=None) -> None:
+        for history in histories:
+            single = self._prefill(history[:-2])
+            if self.batch:
+                self.kv.extend(BatchKV.from_singles(single))
+            else:
+                assert self._single is None, "a single-sequence drafter holds one row"
+                self._single = single
+
+    def filter(self, keep: list[int]) -> None:
+        if self.batch:
+            self.kv.filter(keep)
+        elif not keep:
+            self._single = None
+
+    def reset(self) -> None:
+        self._single = None
+        self.kv = batch_kv(self.n_layers)
+
+    def cold_start(self, capture: Capture) -> None:
+        self.reset()
+        self.add_rows(capture.histories)
+
+    def to_batch(self) -> None:
+        if not self.batch:
+            self.kv = BatchKV.from_singles(self._single) if self._single else batch_kv(self.n_layers)
+            self._single, self.batch = None, True
+
+    def nbytes(self) -> int:
+        if self.batch:
+            return self.kv.nbytes
+        return sum(c.nbytes for c in self._single) if self._single else 0

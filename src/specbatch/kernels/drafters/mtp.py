@@ -1,0 +1,190 @@
+"""A multi-token-prediction (MTP) head as a Drafter: one transformer block on the target.
+
+To propose the token after ``y`` (the pending token, at position ``p``) the head takes the
+target's final hidden state at ``p - 1`` (the one that predicted ``y``) and the embedding
+of ``y``: ``x = eh_proj([enorm(emb(y)); hnorm(h)])``, one attention + MLP block whose
+queries attend over the *target's own last-layer KV* for positions ``< p`` (shared KV: no
+cache of its own) plus the head's keys for the positions it drafted this round, then the
+target's final norm-free head: ``logits = target_head(norm(x))``. Drafting chains ``k``
+steps, feeding its own output hidden state back as ``h``.
+
+A head may keep a reduced output vocabulary (``draft_vocab`` in its config, the kept token
+ids in ``vocab_ids``, FR-Spec style): it projects onto those rows of the target's output
+layer only and scatters them into a full-vocabulary row filled with -inf, so a token
+outside the kept set is never proposed and the chooser and verify code see [B, V] as ever.
+
+Its only per-row state is that hidden state, so a cold start from a capture round is one
+array, not a re-prefill of history.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+from ..kv import RaggedKVCache
+from .base import Capture, Chooser
+
+HEAD_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+             "rope_theta", "rope_scaling", "rope_traditional", "max_position_embeddings")
+
+
+def head_config(target_args, intermediate_size: int | None = None) -> dict:
+    """An MTP head shaped to read the target's last-layer KV."""
+    cfg = {k: getattr(target_args, k, None) for k in HEAD_KEYS}
+    heads = cfg["num_attention_heads"]
+    cfg["num_key_value_heads"] = cfg["num_key_value_heads"] or heads
+    cfg["head_dim"] = cfg["head_dim"] or cfg["hidden_size"] // heads
+    cfg["intermediate_size"] = intermediate_size or target_args.intermediate_size
+    cfg["rope_theta"] = cfg["rope_theta"] or 10000.0
+    cfg["rope_traditional"] = bool(cfg["rope_traditional"])
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+class MTPHead(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        block = {k: v for k, v in config.items() if k != "draft_vocab"}
+        args = llama.ModelArgs(model_type="llama", num_hidden_layers=1, vocab_size=1, **block)
+        D = args.hidden_size
+        self.enorm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        self.hnorm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.block = llama.TransformerBlock(args)
+        self.norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        if config.get("draft_vocab"):
+            self.vocab_ids = mx.zeros((int(config["draft_vocab"]),), dtype=mx.int32)
+            self.freeze(keys=["vocab_ids"], recurse=False)
+        self.config = config
+        self.name = "mtp-head"  # where it was loaded from, once loaded
+
+    def step(self, h, emb, positions, ctx_keys, ctx_values, ctx_mask, own_keys, own_values):
+        """One draft position per row. h, emb: [B, D]; positions: [B] (query positions).
+
+        ctx_*: the target's last-layer KV [B, Hkv, T, d] and its validity mask [B, T];
+        own_*: lists of the head's keys/values for earlier steps of this round.
+        Returns (hidden [B, D], new own key, new own value)."""
+        attn = self.block.self_attn
+        x = self.eh_proj(mx.concatenate([self.enorm(emb), self.hnorm(h)], axis=-1))[:, None]  # [B, 1, D]
+        a = self.block.input_layernorm(x)
+        B = a.shape[0]
+        q = attn.q_proj(a).reshape(B, 1, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_proj(a).reshape(B, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = attn.v_proj(a).reshape(B, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = attn.rope(q, offset=positions), attn.rope(k, offset=positions)
+        keys = mx.concatenate([ctx_keys, *own_keys, k], axis=2)
+        values = mx.concatenate([ctx_values, *own_values, v], axis=2)
+        mask = mx.concatenate([ctx_mask, mx.ones((B, len(own_keys) + 1), dtype=mx.bool_)], axis=1)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask[:, None, None, :])
+        x = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, 1, -1))
+        x = x + self.block.mlp(self.block.post_attention_layernorm(x))
+        return self.norm(x)[:, 0], k, v
+
+
+    def train_forward(self, hidden, emb, ctx_keys, ctx_values):
+        """All positions at once, for training: hidden/emb ``[B, N, D]`` at positions
+        ``1 .. N`` (hidden from position ``i - 1``), target KV ``[B, Hkv, N, d]`` for
+        positions ``0 .. N-1``. Query ``n`` sees target columns ``<= n`` and its own key."""
+        attn = self.block.self_attn
+        x = self.eh_proj(mx.concatenate([self.enorm(emb), self.hnorm(hidden)], axis=-1))  # [B, N, D]
+        a = self.block.input_layernorm(x)
+        B, N, _ = a.shape
+        q = attn.q_proj(a).reshape(B, N, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        k = attn.k_proj(a).reshape(B, N, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = attn.v_proj(a).reshape(B, N, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = attn.rope(q, offset=1), attn.rope(k, offset=1)
+        rows, cols = mx.arange(N)[:, None], mx.arange(N)[None]
+        mask = mx.concatenate([cols <= rows, cols == rows], axis=1)  # [N, 2N]
+        out = mx.fast.scaled_dot_product_attention(q, mx.concatenate([ctx_keys, k], 2),
+                                                   mx.concatenate([ctx_values, v], 2), scale=attn.scale, mask=mask)
+        x = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
+        x = x + self.block.mlp(self.block.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+def context_kv(cache) -> tuple[mx.array, mx.array, mx.array, list[int]]:
+    """The target's last-layer keys/values, validity mask [B, T] and per-row lengths."""
+    if isinstance(cache, RaggedKVCache):
+        top = max(cache.ends)
+        cols = mx.arange(top)[None]
+        mask = (cols >= mx.array(cache.starts)[:, None]) & (cols < mx.array(cache.ends)[:, None])
+        return cache.keys[..., :top, :], cache.values[..., :top, :], mask, cache.lengths()
+    n = cache.offset
+    return cache.keys[..., :n, :], cache.values[..., :n, :], mx.ones((1, n), dtype=mx.bool_), [n]
+
+
+class MTPDrafter:
+    """Drafter protocol over an ``MTPHead`` that shares the target's embedding, head and KV."""
+
+    def __init__(self, head: MTPHead, runner):
+        self.head, self.runner = head, runner
+        self.hidden: mx.array | None = None  # [B, D]: target hidden that predicted each pending token
+        self._rows: mx.array | None = None  # the kept rows of the target's output layer [N, D]
+
+    def logits(self, h: mx.array) -> mx.array:
+        """[B, V] draft logits; -inf outside a reduced head's kept vocabulary."""
+        if "vocab_ids" not in self.head:
+            return self.runner.head(h)
+        ids = self.head.vocab_ids
+        if self._rows is None:
+            lm_head = getattr(getattr(self.runner, "model", None), "lm_head", None)
+            self._rows = lm_head.weight[ids] if lm_head is not None else self.runner.embed(ids)
+        full = mx.full((h.shape[0], self.runner.vocab_size), -mx.inf, dtype=h.dtype)
+        full[:, ids] = h @ self._rows.T
+        return full
+
+    @property
+    def width(self) -> int:
+        return 0 if self.hidden is None else self.hidden.shape[0]
+
+    def draft(self, prev, pending, k: int, choose: Chooser, context=None):
+        ctx_k, ctx_v, ctx_mask, lengths = context_kv(context[-1])
+        base = mx.array(lengths, dtype=mx.int32)  # [B]: the pending token's position
+        h, token = self.hidden, pending
+        own_k, own_v, tokens, logits = [], [], [], []
+        for j in range(k):
+            h, kj, vj = self.head.step(h, self.runner.embed(token), base + j, ctx_k, ctx_v, ctx_mask, own_k, own_v)
+            own_k.append(kj)
+            own_v.append(vj)
+            step_logits = self.logits(h)  # [B, V]
+            token = choose(step_logits, j)
+            tokens.append(token)
+            logits.append(step_logits)
+        return mx.stack(tokens, axis=1), mx.stack(logits, axis=1)
+
+    def rollback(self, counts: list[int], hidden: mx.array | None = None) -> None:
+        if hidden is not None:
+            self.hidden = hidden
+
+    def add_rows(self, histories: list[list[int]], hidden: mx.array | None = None) -> None:
+        if hidden is None:
+            raise ValueError("the MTP drafter needs the target's hidden state for new rows")
+        self.hidden = hidden if self.hidden is None else mx.concatenate([self.hidden, hidden])
+
+    def filter(self, keep: list[int]) -> None:
+        self.hidden = self.hidden[mx.array(keep)] if keep and self.hidden is not None else None
+
+    def reset(self) -> None:
+        self.hidden = None
+
+    def cold_start(self, capture: Capture) -> None:
+        self.hidden = capture.hidden
+
+    def to_batch(self) -> None:
+        pass  # the hidden state is already per row
+
+    def nbytes(self) -> int:
+        return 0 if self.hidden is None else self.hidden.nbytes
+
+
+def save_head(head: MTPHead, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(mx.float16) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in tree_flatten(head.parameters())}
+    mx.save_safetensors(str(out / "mtp.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "mtp_config.json").write_text(json.dumps(head.config, indent=1))

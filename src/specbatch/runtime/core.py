@@ -1,0 +1,285 @@
+"""The engine core: add, cancel, step. No thread and no queue: the caller's loop drives it.
+
+``step()`` cuts a ``Plan`` from what was added and cancelled since the last step, applies
+it (one ``PlanRunner.apply``: at most one round of the state machine) and returns what
+each request produced in that round as ``StepEvent``s. Every decision is a function of
+the plans and the tokens, so a step sequence replays exactly: tests reach every
+transition with it, and other servers call it from their own loop. ``Engine`` drives one
+core from its thread; a follower rank of a sharded target drives one with the driver's
+plans (``apply``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Callable, Iterable
+
+import attrs
+import mlx.core as mx
+import structlog
+
+from ..errors import EngineClosed, InvalidRequest, QueueFull
+from ..kernels.build import build_scheduler
+from ..kernels.models import LoadedModel
+from .config import EngineConfig
+from .output import Delivery
+from .params import SamplingParams, TokenLogprob
+from .plan import Lockstep, Plan, PlanRunner, fingerprint
+from .request import Completion, Request, RequestHandle, TokenEvent
+from .scheduler import Scheduler
+from .stats import EngineStats
+
+log = structlog.get_logger(__name__)
+
+
+def release_memory() -> None:
+    """Hand freed memory back to the OS when the engine goes idle: MLX's buffer cache, and
+    the free pages glibc's heap keeps (RSS grew ~120 MB over 1,000 requests without it,
+    with MLX's active memory flat)."""
+    mx.clear_cache()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # glibc only; elsewhere there is nothing to call
+    except (OSError, AttributeError):
+        pass
+
+
+@attrs.frozen
+class StepEvent:
+    """What one request produced in one step: its new tokens and their text; the last
+    event of a request carries ``finish_reason`` (and ``error``, ``completion``)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+    completion: Completion | None = None  # the whole result, on the last event only
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked
+
+
+class _Collector:
+    """Gathers the token events requests push during a step into one StepEvent each.
+
+    It observes the handles rather than draining them, so an Engine's callers still read
+    every event from their handle."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[RequestHandle, list[TokenEvent]]] = {}  # first seen first
+
+    def watch(self, request: Request) -> None:
+        request.handle._observers.append(functools.partial(self._see, request.handle))
+
+    def _see(self, handle: RequestHandle, event: TokenEvent) -> None:
+        self._seen.setdefault(event.request_id, (handle, []))[1].append(event)
+
+    def drain(self) -> list[StepEvent]:
+        seen, self._seen = self._seen, {}  # swap first: a failing driver may drain from another thread
+        out = []
+        for rid, (handle, events) in list(seen.items()):
+            last = events[-1]
+            if last.finish_reason is not None:  # nothing more comes: the handle stops pointing here
+                handle._observers.clear()
+            lps = [e.logprob for e in events if e.logprob is not None]
+            out.append(StepEvent(rid, [e.token for e in events if e.token is not None],
+                                 "".join(e.text for e in events), last.finish_reason, last.error,
+                                 handle._completion if last.finish_reason is not None else None,
+                                 lps or None))
+        return out
+
+
+class EngineCore:
+    """Speculative decoding and continuous batching, stepped by the caller (one thread)."""
+
+    def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None,
+                 config: EngineConfig | None = None, *, scheduler_factory=build_scheduler,
+                 lockstep: Lockstep | None = None,
+                 fatal: Callable[[BaseException], bool] | None = None):
+        """``scheduler_factory(target, drafter, config, stats, deliver)`` builds the
+        scheduler (the state machine over fresh kernels by default; ``deliver`` is this
+        core's output stage); ``lockstep`` publishes each plan to follower ranks;
+        ``fatal(exc)``: errors that end the core instead of failing one round."""
+        self.target, self.drafter = target, drafter
+        self.config = config or EngineConfig()
+        self.tokenizer = target.tokenizer
+        self.counters = EngineStats()
+        self.delivery = Delivery(self.counters)  # round outputs -> text, stops, stats, events
+        self.scheduler: Scheduler = scheduler_factory(target, drafter, self.config, self.counters,
+                                                      self.delivery)
+        self.lockstep = lockstep
+        if fatal is None:
+            fatal = lockstep.is_fatal if lockstep else (lambda exc: False)
+        self.runner = PlanRunner(self.scheduler, self.book, fatal=fatal)
+        self.closing = False  # admits nothing new; steps finish (drain) or cancel the rest
+        self.drain = True
+        self.closed = False  # a closing plan found the core idle: no step does anything more
+        self.failure: str | None = None  # why the core stopped, if it failed
+        self.gauges = self.scheduler.gauges()  # the last step's: safe to read from any thread
+        self._arrivals: list[Request] = []  # added since the last step
+        self._cancels: list[str] = []
+        self._events = _Collector()
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, draft_model: str | None = None, *,
+                        speculation: bool = True, speculative_width_cap: int | None = None,
+                        num_draft_tokens: int | None = None, **options):
+        """Load a target (and drafter) as ``load_pair`` does; ``model=None``: the demo pair."""
+        from .config import load_pair
+
+        target, drafter, config = load_pair(model, draft_model, speculation=speculation,
+                                            speculative_width_cap=speculative_width_cap,
+                                            num_draft_tokens=num_draft_tokens, **options)
+        return cls(target, drafter, config)
+
+    # -- input -------------------------------------------------------------------------
+    def encode(self, prompt: str | Iterable[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
+        if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
+        if any(not 0 <= t < self.target.vocab_size for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.target.vocab_size})", "prompt")
+        return ids
+
+    def prepare(self, prompt, params: SamplingParams | dict | None = None, *,
+                in_transit: int = 0) -> Request:
+        """Validate and build a request without queueing it (raises on bad input).
+        ``in_transit``: requests a driver accepted but has not handed over yet (they count
+        against ``max_queue`` too)."""
+        if self.closing:
+            raise EngineClosed(f"engine stopped: {self.failure}" if self.failure else "engine is closed")
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams(**params)
+        ids = self.encode(prompt)
+        if not ids:
+            raise InvalidRequest("prompt must not be empty", "prompt")
+        room = self.context_length - len(ids)
+        if room < 1:
+            limit = ("--max-model-len" if self.context_length < self.target.context_length
+                     else "the model's context")
+            raise InvalidRequest(
+                f"prompt has {len(ids)} tokens; {limit} is {self.context_length} tokens, so no "
+                "token could be generated", "prompt", "context_length_exceeded")
+        params = params.with_seed()
+        if params.max_tokens > room:  # a prompt may fill the context up to the limit
+            params = attrs.evolve(params, max_tokens=room)
+        if in_transit + len(self._arrivals) + len(self.runner.waiting) >= self.config.max_queue:
+            raise QueueFull(f"{self.config.max_queue} requests are already waiting")
+        return Request.create(ids, params, self.tokenizer)
+
+    @property
+    def context_length(self) -> int:
+        """Prompt + completion tokens a request may hold: the model's context, or
+        ``max_model_len`` where that is shorter."""
+        limit = self.config.max_model_len
+        return min(self.target.context_length, limit) if limit else self.target.context_length
+
+    def add(self, prompt, params: SamplingParams | dict | None = None) -> str:
+        """Validate and queue a request for the next step; its id names its events."""
+        request = self.prepare(prompt, params)
+        self._arrivals.append(request)
+        self.counters.submitted += 1
+        return request.id
+
+    def cancel(self, request_id: str) -> None:
+        """Remove the request at the next step; its KV is freed (unknown ids are ignored)."""
+        self._cancels.append(request_id)
+
+    # -- stepping ----------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        """Apply what was added and cancelled since the last step and run at most one round."""
+        plan = Plan(tuple(self._arrivals), tuple(self._cancels), closing=self.closing,
+                    abandon=self.closing and not self.drain)
+        self._arrivals, self._cancels = [], []
+        return self.apply(plan)
+
+    def apply(self, plan: Plan) -> list[StepEvent]:
+        """Run one plan cut elsewhere (an Engine's inbox, a driver rank's message)."""
+        if self.closed:
+            return []
+        if self.lockstep is not None:  # followers replay this plan before we run it
+            self.lockstep.publish(plan, self.fingerprint())
+        for request in plan.arrivals:
+            self._events.watch(request)
+        was_idle = self.runner.idle
+        if not self.runner.apply(plan):
+            self.closed = True
+        elif self.runner.idle and not was_idle:
+            release_memory()
+        self.gauges = self.scheduler.gauges()
+        return self._events.drain()
+
+    def close(self, drain: bool = False) -> list[StepEvent]:
+        """Stop admitting; step until in-flight work is finished (``drain``) or cancelled;
+        release the kernels. Returns the events of those last steps."""
+        self.stop_admitting(drain)
+        events = []
+        while not self.closed and self.failure is None:  # a failed core has nothing left to run
+            events += self.step()
+        self.shutdown()
+        return events
+
+    def stop_admitting(self, drain: bool = False) -> None:
+        """From now on ``add`` raises and plans say closing (a driver's ``close``)."""
+        self.closing, self.drain = True, drain
+
+    def shutdown(self) -> None:
+        """The driver has stopped stepping: drop the loops and their KV."""
+        if self.lockstep is not None:
+            self.lockstep.close()
+        self.scheduler.shutdown()
+        self.gauges = self.scheduler.gauges()
+
+    def fail(self, error: str, unseen: Iterable[Request] = ()) -> list[StepEvent]:
+        """The core cannot go on (a lost peer): every request, and ``unseen`` ones a driver
+        still held, ends with an error event."""
+        self.failure, self.closing = error, True
+        log.error("engine_failed", error=error)
+        failed = self.runner.fail_all(error)
+        for request in unseen:
+            self._events.watch(request)
+            request.abort("error", error)
+            failed.append(request)
+        self.book(failed)
+        return self._events.drain()
+
+    def book(self, finished: list[Request]) -> None:
+        """Close out requests that left the engine: the final event of any that ended
+        without one (cancels, errors), counters and a log line."""
+        for request in finished:
+            self.delivery.close(request)
+            self.counters.record_finish(request)
+            log.info("finish", request=request.id, reason=request.finish_reason, tokens=request.emitted,
+                     drafted=request.spec.drafted, accepted=request.spec.accepted, retire=request.retire)
+
+    # -- reading -----------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """The machine's state: "Idle", "Scalar", "Batched" or "Gated"."""
+        return getattr(self.scheduler, "state", "Idle" if not self.scheduler.busy else "Busy")
+
+    @property
+    def idle(self) -> bool:
+        return self.runner.idle
+
+    def has_work(self) -> bool:
+        """True while a step would do something: queued input, waiting or live requests."""
+        return bool(self._arrivals or self._cancels) or not self.runner.idle
+
+    def fingerprint(self) -> str:
+        return fingerprint(self.scheduler, self.runner.waiting)
+
+    def stats(self, queued: int = 0) -> dict:
+        """Counters and the last step's gauges; ``queued``: requests a driver still holds."""
+        depth = len(self.runner.waiting) + len(self._arrivals) + queued
+        return self.counters.snapshot(self.gauges, queue_depth=depth)
+
+    def __enter__(self) -> "EngineCore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.closed:
+            self.close()

@@ -1,0 +1,222 @@
+"""The engine: a thread that drives one ``EngineCore``, an injection queue, and request handles.
+
+Data flows one way: ``submit`` validates (the core's rules) and queues a request; the
+engine thread cuts a ``Plan`` from what callers did since the last step and hands it to
+the core, whose state machine decides what the round is and runs it on the decode loops;
+tokens flow back to the request handles as events. Callers never block the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import queue
+import threading
+import weakref
+from typing import Iterable
+
+import mlx.core as mx
+import structlog
+
+from ..errors import EngineClosed
+from ..kernels.build import build_scheduler
+from ..kernels.models import LoadedModel
+from .config import EngineConfig
+from .core import EngineCore, release_memory  # noqa: F401  (release_memory: its old home)
+from .params import SamplingParams
+from .plan import Lockstep, Plan
+from .request import Request, RequestHandle
+from .scheduler import Scheduler
+
+log = structlog.get_logger(__name__)
+_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    # MLX aborts at exit if a thread still holds streams: stop engine threads first.
+    for engine in list(_engines):
+        engine.close(timeout=10)
+    mx.clear_streams()
+
+
+class Engine:
+    """Speculative decoding and continuous batching together, behind one small API."""
+
+    def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None,
+                 config: EngineConfig | None = None, *, scheduler_factory=build_scheduler,
+                 lockstep: Lockstep | None = None):
+        """``scheduler_factory(target, drafter, config, stats, deliver)`` builds the
+        scheduler (the state machine by default); ``lockstep`` publishes each plan to follower ranks."""
+        self.core = EngineCore(target, drafter, config, scheduler_factory=scheduler_factory,
+                               lockstep=lockstep)
+        self.target, self.drafter, self.config = target, drafter, self.core.config
+        self.tokenizer = target.tokenizer
+        self._inbox: queue.SimpleQueue[list[Request] | None] = queue.SimpleQueue()  # batches of arrivals
+        self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._on_failure: list = []
+        self._in_flight_to_queue = 0  # submitted, not yet moved to the waiting list
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="specbatch-engine", daemon=True)
+        self._thread.start()
+        _engines.add(self)
+        log.info("engine_started", model=target.name, drafter=getattr(drafter, "name", None),
+                 speculation=self.config.speculation and drafter is not None,
+                 k=self.config.num_draft_tokens, cap=self.config.speculative_width_cap)
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, draft_model: str | None = None, *,
+                        speculation: bool = True, speculative_width_cap: int | None = None,
+                        num_draft_tokens: int | None = None, **options) -> "Engine":
+        """Load a target (and drafter) and start the engine; ``model=None``: the demo pair."""
+        from .config import load_pair
+
+        target, drafter, config = load_pair(model, draft_model, speculation=speculation,
+                                            speculative_width_cap=speculative_width_cap,
+                                            num_draft_tokens=num_draft_tokens, **options)
+        return cls(target, drafter, config)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def lockstep(self) -> Lockstep | None:
+        return self.core.lockstep
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped, if it failed."""
+        return self.core.failure
+
+    # -- caller side ------------------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        return self.core.context_length
+
+    def encode(self, prompt: str | Iterable[int]) -> list[int]:
+        return self.core.encode(prompt)
+
+    def prepare(self, prompt, params=None) -> Request:
+        """Validate and build a request without queueing it (raises on bad input)."""
+        return self.core.prepare(prompt, params, in_transit=self._in_flight_to_queue)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> RequestHandle:
+        """Queue a request and return its handle at once."""
+        request = self.prepare(prompt, params)
+        self._enqueue(request)
+        return request.handle
+
+    def submit_many(self, prompts: list, params: SamplingParams | dict | None = None) -> list[RequestHandle]:
+        """Queue several requests as one arrival: the next drain sees them all together."""
+        requests = [self.prepare(p, params) for p in prompts]  # all valid, or none queued
+        self._enqueue(*requests)
+        return [r.handle for r in requests]
+
+    def _enqueue(self, *requests: Request) -> None:
+        if self.failure:
+            raise EngineClosed(f"engine stopped: {self.failure}")
+        with self._lock:
+            self._in_flight_to_queue += len(requests)
+        self.core.counters.submitted += len(requests)
+        self._inbox.put(list(requests))
+
+    async def stream(self, prompt, params=None):
+        """``async for event in engine.stream(...)``; cancels the request if abandoned."""
+        async for event in self.stream_request(self.prepare(prompt, params)):
+            yield event
+
+    async def stream_request(self, request: Request):
+        """Queue a prepared request and yield its events; cancel it if the consumer leaves."""
+        [events] = self.stream_requests([request])
+        async for event in events:
+            yield event
+
+    def stream_requests(self, requests: list[Request]) -> list:
+        """Queue prepared requests as one arrival (the next step admits them together);
+        one async event stream each, which cancels its request if its consumer leaves."""
+        loop = asyncio.get_running_loop()
+        queues = [r.handle._attach(loop) for r in requests]
+        self._enqueue(*requests)
+        return [self._events(r, q) for r, q in zip(requests, queues)]
+
+    async def _events(self, request: Request, events):
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            if not request.handle.done:
+                self.cancel(request.handle)
+
+    def cancel(self, handle: RequestHandle | str) -> None:
+        """Remove the request at the next round boundary; its KV is freed."""
+        self._cancels.put(handle if isinstance(handle, str) else handle.request_id)
+        self._inbox.put(None)  # wake the loop
+
+    def stats(self) -> dict:
+        """Counters and gauges; safe from any thread (gauges are the last step's)."""
+        return self.core.stats(queued=self._in_flight_to_queue)
+
+    def close(self, drain: bool = False, timeout: float | None = 60.0) -> None:
+        """Stop admitting; finish (``drain``) or cancel in-flight work; join the thread."""
+        self.core.stop_admitting(drain)
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- engine thread --------------------------------------------------------------------
+    def _intake(self, block: bool) -> Plan:
+        """Cut the next plan from what callers did since the last one."""
+        arrivals: list[Request] = []
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    arrivals.extend(item)
+                    with self._lock:
+                        self._in_flight_to_queue -= len(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        cancels = []
+        while not self._cancels.empty():
+            cancels.append(self._cancels.get_nowait())
+        core = self.core
+        return Plan(tuple(arrivals), tuple(cancels), closing=core.closing,
+                    abandon=core.closing and not core.drain, more_coming=not self._inbox.empty())
+
+    def _run(self) -> None:
+        try:
+            while not self.core.closed:
+                self.core.apply(self._intake(block=self.core.idle))  # handles got the events
+        except Exception as exc:  # only errors no round can recover from get here
+            lockstep = self.core.lockstep
+            lost = lockstep is not None and lockstep.is_fatal(exc)
+            self._fail(("a peer rank was lost: " if lost else "") + f"{type(exc).__name__}: {exc}")
+        finally:
+            self.core.shutdown()
+            mx.clear_streams()  # MLX needs per-thread cleanup before interpreter exit
+
+    def _fail(self, error: str) -> None:
+        """The engine cannot go on (a lost peer): every request gets an error event."""
+        unseen: list[Request] = []
+        try:  # arrivals the failed step never saw
+            while True:
+                unseen += self._inbox.get_nowait() or []
+        except queue.Empty:
+            pass
+        self.core.fail(error, unseen)
+        for callback in list(self._on_failure):
+            callback(error)
+
+    def on_failure(self, callback) -> None:
+        """Call ``callback(error)`` if the engine stops on an unrecoverable error."""
+        self._on_failure.append(callback)

@@ -1,0 +1,214 @@
+"""``specbatch``: generate, demo, bench, statechart (and serve, calibrate where built)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..blas import ensure_openblas
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="target: mlx-lm folder, GGUF file or HF id (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft-model", default=None, help="drafter with the target's vocabulary (or an MTP head folder)")
+    p.add_argument("--drafter", default=None, choices=["model", "mtp", "ngram"],
+                   help="a separate draft model, the target's multi-token-prediction head, or "
+                        "prompt lookup in the request's own tokens (default: 'model' with --draft-model, "
+                        "else the embedded target's trained drafter, else prompt lookup)")
+    p.add_argument("--no-speculation", action="store_true", help="decode plain")
+    p.add_argument("--speculative-width-cap", type=int, default=None,
+                   help="widest batch that still speculates (0 = uncapped)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per round (k)")
+    p.add_argument("--dtype", default=None,
+                   help="float32 | float16 | bfloat16 | quantized (keep a checkpoint's quantized weights) | auto "
+                        "(fp32 on CPU, the checkpoint's own on a GPU)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion served, tokens (default: the model's context)")
+    p.add_argument("--kv-bits", type=int, default=None, choices=[4, 8],
+                   help="store the batch's target KV quantized per token (default: the model's dtype)")
+    p.add_argument("--kv-layout", default=None, choices=["dense", "paged"],
+                   help="the batch's KV: dense (faster here; the default) or paged blocks (allocation within "
+                        "10%% of need); --kv-bits implies paged")
+    p.add_argument("--log-format", default="console", choices=["console", "json"])
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _distributed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed", action="store_true",
+                   help="shard the target across the ranks of an mlx.launch job (rank 0 serves)")
+    p.add_argument("--backend", default="ring", help="MLX distributed backend (ring, mpi, nccl)")
+    p.add_argument("--peer-timeout", type=float, default=60.0,
+                   help="seconds without a message from the other ranks before they count as lost")
+
+
+def _engine(args, **options):
+    """The engine (rank 0 / single process), or None on a follower rank once it is done."""
+    from .. import Engine
+    options = dict(options, speculation=not args.no_speculation, speculative_width_cap=args.speculative_width_cap,
+                   num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, drafter=args.drafter,
+                   **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
+                   **({"kv_bits": args.kv_bits} if args.kv_bits else {}),
+                   **({"kv_layout": args.kv_layout} if args.kv_layout else {}))
+    if not getattr(args, "distributed", False):
+        return Engine.from_pretrained(args.model, args.draft_model, **options)
+    from .dist import sharded_engine
+    return sharded_engine(args.model, args.draft_model, backend=args.backend, timeout_s=args.peer_timeout,
+                          **options)
+
+
+def cmd_generate(args) -> int:
+    from .. import SamplingParams
+    from ..kernels.models import chat_prompt
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    engine = _engine(args)
+    if engine is None:  # a follower rank: it replayed the driver's rounds
+        return 0
+    with engine:
+        chat = None if args.raw else chat_prompt(engine.tokenizer, args.prompt)
+        handle = engine.submit(chat or args.prompt, params)
+        if chat is None:  # plain completion: the continuation reads on from the prompt
+            sys.stdout.write(args.prompt)
+        for event in handle:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        if args.verbose:
+            done = handle.result()
+            print(f"[{done.finish_reason}] {done.usage.completion_tokens} tokens, seed {done.seed}; "
+                  f"stats {engine.stats()}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .http.serve import serve
+    engine = _engine(args, max_queue=args.max_queue, kv_budget_bytes=args.kv_budget_mb << 20,
+                     prompt_cache_bytes=args.prompt_cache_mb << 20)
+    return 0 if engine is None else serve(args, engine)
+
+
+def cmd_demo(args) -> int:
+    from ..tools.demo import run_demo
+    return run_demo(args)
+
+
+def cmd_bench(args) -> int:
+    from ..tools.bench.run import run_bench
+    return run_bench(args)
+
+
+def cmd_calibrate(args) -> int:
+    from ..tools.calibrate import run_calibrate
+    return run_calibrate(args)
+
+
+def cmd_convert(args) -> int:
+    from ..kernels.gguf import convert
+    out = convert(args.gguf, args.out, dequantize=args.dtype == "float32")
+    print(f"wrote {out} (open it with mlx_lm.load or --model {out})")
+    return 0
+
+
+def cmd_statechart(args) -> int:
+    from ..tools.statechart import run_statechart
+    return run_statechart(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specbatch", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream one completion to stdout")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true",
+                   help="plain completion of the prompt (default: one user turn in the model's chat template)")
+    _model_args(g)
+    _distributed_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=256)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or SPECBATCH_API_KEY)")
+    sv.add_argument("--max-body", type=int, default=1 << 20, help="request body limit, bytes")
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--kv-budget-mb", type=int, default=0, help="target KV budget; admission waits past it (0: none)")
+    sv.add_argument("--prompt-cache-mb", type=int, default=256, help="prompt (prefix) cache bound")
+    sv.add_argument("--shutdown-grace", type=float, default=30.0,
+                    help="seconds live requests get to finish after SIGTERM before they are cut")
+    _model_args(sv)
+    _distributed_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("demo", help="staggered concurrent requests, live transitions, a summary")
+    d.add_argument("--requests", type=int, default=6)
+    d.add_argument("--max-tokens", type=int, default=48)
+    _model_args(d)
+    d.set_defaults(func=cmd_demo)
+
+    _measuring_parsers(sub)
+
+    cv = sub.add_parser("convert", help="write a GGUF file (llama, mistral, qwen2) as an mlx-lm model folder")
+    cv.add_argument("gguf")
+    cv.add_argument("out")
+    cv.add_argument("--dtype", default="native", choices=["native", "float32"],
+                    help="native: keep the file's quantized weights; float32: dequantize")
+    cv.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("statechart", help="write or check the Mermaid chart of the machine")
+    s.add_argument("--write", action="store_true")
+    s.add_argument("--check", action="store_true")
+    s.add_argument("--trace", default=None, help="JSON log of a run: draw the path it took")
+    s.set_defaults(func=cmd_statechart)
+    return ap
+
+
+def _measuring_parsers(sub) -> None:
+    b = sub.add_parser("bench", help="benchmarks side by side with mlx-lm")
+    b.add_argument("--suite", default="plain,scalar,widths,transitions,memory,serving,drafters,sharded",
+                   help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters, sharded")
+    b.add_argument("--widths", default="1,2,4,8,16")
+    b.add_argument("--tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--out", default="bench/results")
+    b.add_argument("--no-report", dest="report", action="store_false", help="skip plots and docs/benchmarks.md")
+    _model_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("calibrate", help="measure the draft length per width and temperature for this pair "
+                                         "on this machine (the schedule; its widest k > 0 is the cap)")
+    c.add_argument("--widths", default="1,2,4,8,16")
+    c.add_argument("--draft-lengths", default="1,2,3,4,6", help="draft lengths to try at each width")
+    c.add_argument("--tokens", type=int, default=32)
+    c.add_argument("--repeats", type=int, default=2)
+    c.add_argument("--margin", type=float, default=0.03, help="speculation must win by this much")
+    _model_args(c)
+    c.set_defaults(func=cmd_calibrate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ensure_openblas()
+    args = build_parser().parse_args(argv)
+    from .. import logs
+    from ..blas import active_blas
+    logs.configure(getattr(args, "log_format", "console"), "info" if getattr(args, "verbose", False) else None)
+    if getattr(args, "verbose", False):
+        print(f"specbatch: BLAS = {active_blas()}", file=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as exc:
+        print(f"specbatch: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # a follower rank that lost the driver, a backend that failed
+        print(f"specbatch: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

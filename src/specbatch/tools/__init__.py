@@ -1,0 +1,2 @@
+"""Tooling around the core: benchmarks, calibration's measuring, the demo, statecharts and
+the prompts they decode."""

@@ -1,0 +1,1 @@
+"""``make bench``: the harness, its suites and the report (``run`` picks suites)."""

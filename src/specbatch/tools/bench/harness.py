@@ -1,0 +1,115 @@
+"""The bench harness: seeded workloads, tokens/s of the engine and of mlx-lm, the ``Context``
+every suite gets.
+
+The machines are shared and noisy, so every suite interleaves the systems it compares
+(round-robin within each repeat) and reports medians and their ratios, never one-off
+timings. Suites live beside this module (``basic``, ``serving``, ``http``, ``sharded``,
+``memory``, ``prefix``); ``run`` picks them by name.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from ...runtime.engine import Engine
+from ...runtime.params import SamplingParams
+from .. import workload
+
+
+def code_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The benchmark workload: chat questions and code completions (``workload``)."""
+    return workload.prompts(tokenizer, n)
+
+
+def mlx_lm_folder(name: str):
+    """A folder mlx-lm opens at the precision we run: a GGUF's fp32 conversion."""
+    if str(name).lower().endswith(".gguf"):
+        from ...kernels.gguf import cached_folder
+        return cached_folder(Path(name), dequantize=True)
+    return name
+
+
+def drafter_args(drafter) -> list[str]:
+    """The ``specbatch serve`` flags that load ``drafter`` (a model, an MTP head, prompt lookup)."""
+    from ...kernels.drafters.ngram import NGramSource
+    if drafter is None:
+        return ["--no-speculation"]
+    if isinstance(drafter, NGramSource):
+        return ["--drafter", "ngram"]
+    kind = "model" if hasattr(drafter, "model") else "mtp"
+    return ["--drafter", kind, "--draft-model", str(drafter.name)]
+
+
+def engine_tok_s(engine, prompts, tokens: int, temperature: float = 0.0, stagger: float = 0.0) -> float:
+    """Tokens/s of ``engine`` decoding ``tokens`` per prompt (wall time, prefill included)."""
+    t0 = time.perf_counter()
+    handles = []
+    for i, p in enumerate(prompts):
+        sp = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, temperature=temperature)
+        handles.append(engine.submit(p, sp))
+        if stagger:
+            time.sleep(stagger)
+    total = sum(h.result(timeout=3600).usage.completion_tokens for h in handles)
+    return total / (time.perf_counter() - t0)
+
+
+def mlx_lm_batch_tok_s(model, prompts, tokens: int) -> float:
+    """mlx-lm's own ``BatchGenerator`` on the same prompts (greedy, no EOS stop)."""
+    from mlx_lm.generate import BatchGenerator
+    gen = BatchGenerator(model, max_tokens=tokens, stop_tokens=[], completion_batch_size=max(32, len(prompts)),
+                         prefill_batch_size=max(8, len(prompts)))
+    t0 = time.perf_counter()
+    gen.insert(prompts, [tokens] * len(prompts))
+    total = 0
+    while responses := gen.next_generated():
+        total += sum(1 for r in responses if r.finish_reason != "stop")
+    gen.close()
+    return total / (time.perf_counter() - t0)
+
+
+def mlx_lm_spec_tok_s(target, drafter, prompt, tokens: int, k: int) -> float:
+    """mlx-lm's single-sequence ``speculative_generate_step`` (greedy)."""
+    import mlx.core as mx
+    from mlx_lm.generate import speculative_generate_step
+    t0 = time.perf_counter()
+    n = sum(1 for _ in speculative_generate_step(mx.array(prompt), target, drafter, num_draft_tokens=k,
+                                                 max_tokens=tokens))
+    return n / (time.perf_counter() - t0)
+
+
+def _median_rows(samples: dict) -> dict:
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def acceptance(before: dict, after: dict) -> float:
+    drafted = after["drafted_tokens"] - before["drafted_tokens"]
+    return (after["accepted_tokens"] - before["accepted_tokens"]) / drafted if drafted else 0.0
+
+
+class Context:
+    """What every suite needs: the pair, the sizes, and engines built on demand."""
+
+    def __init__(self, target, drafter, config, widths, tokens, repeats):
+        self.target, self.drafter, self.config = target, drafter, config
+        self.widths, self.tokens, self.repeats = widths, tokens, repeats
+        self.k = config.num_draft_tokens
+        self.serving_requests = 12
+        self.rates = {"low": 0.5, "medium": 1.5, "saturating": 6.0}  # requests per second
+        self._engines = []
+
+    def engine(self, **overrides) -> Engine:
+        import attrs
+        fields = {"prompt_cache_bytes": 0, **overrides}
+        config = attrs.evolve(self.config, **fields)
+        drafter = self.drafter if config.speculation else None
+        engine = Engine(self.target, drafter, config)
+        engine_tok_s(engine, code_prompts(self.target.tokenizer, 2), 8)  # warm up
+        self._engines.append(engine)
+        return engine
+
+    def close(self) -> None:
+        for engine in self._engines:
+            engine.close()
+

@@ -1,0 +1,75 @@
+"""``specbatch calibrate``: measures the draft-length schedule per pair and machine (tokens/s
+plain and at each draft length, per width and temperature band, side by side) and stores it
+in the calibration file (``runtime.calibration``)."""
+
+from __future__ import annotations
+
+import statistics
+
+from ..runtime.calibration import machine_key, pair_key, store
+from ..runtime.schedule import Band, DraftSchedule
+from .bench.harness import Context, code_prompts, engine_tok_s
+
+TEMPERATURES = (0.0, 0.7, 1.0)
+DRAFT_LENGTHS = (1, 2, 3, 4, 6)
+
+
+def best_k(speeds: dict[int, float], margin: float = 0.03) -> int:
+    """The draft length with the most tokens/s (``speeds[0]``: plain); it must beat plain
+    by ``margin``, else 0 (decode plain)."""
+    k = max(speeds, key=speeds.get)
+    return k if k and speeds[k] >= speeds[0] * (1 + margin) else 0
+
+
+def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
+    """For each temperature and width: tokens/s plain and at each draft length (side by
+    side, medians of ``args.repeats``); the schedule takes each cell's best k. Widths past
+    two losing widths in a row are not measured (they take the last measured k, 0)."""
+    widths = [int(w) for w in args.widths.split(",")]
+    ks = [int(k) for k in args.draft_lengths.split(",")]
+    plain = ctx.engine(speculation=False)
+    spec = {k: ctx.engine(speculative_width_cap=0, num_draft_tokens=k, adaptive_k=False, max_spec_temperature=None,
+                          draft_schedule=None) for k in ks}
+    bands, table = [], {}
+    for t in TEMPERATURES:
+        row, losing = [], 0
+        for width in widths:
+            if losing >= 2:
+                break
+            speeds = {}
+            for _ in range(args.repeats):  # round-robin: the systems share each moment's noise
+                for k, engine in [(0, plain), *spec.items()]:
+                    speeds.setdefault(k, []).append(engine_tok_s(engine, prompts[:width], args.tokens, temperature=t))
+            speeds = {k: statistics.median(v) for k, v in speeds.items()}
+            row.append(best_k(speeds, args.margin))
+            losing = losing + 1 if row[-1] == 0 else 0
+            table[f"T={t} width={width}"] = {str(k): round(v, 2) for k, v in speeds.items()}
+            print(f"T={t:.2f} width {width:3d}: " + ", ".join(f"k={k} {v:.1f}" for k, v in speeds.items())
+                  + f" tok/s -> k={row[-1]}", flush=True)
+        row += [0] * (len(widths) - len(row))
+        if bands:  # acceptance only falls with temperature: a hotter band never drafts more
+            row = [min(k, colder) for k, colder in zip(row, bands[-1].k)]
+        bands.append(Band(t, row))
+    return DraftSchedule(widths, bands), table
+
+
+def run_calibrate(args) -> int:
+    from ..runtime.config import load_pair
+
+    target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype, drafter=args.drafter,
+                                        num_draft_tokens=max(int(k) for k in args.draft_lengths.split(",")),
+                                        speculative_width_cap=0, draft_schedule=None)
+    if drafter is None:
+        raise ValueError("calibration needs a drafter")
+    widths = [int(w) for w in args.widths.split(",")]
+    ctx = Context(target, drafter, config, widths, args.tokens, args.repeats)
+    try:
+        schedule, table = measure_schedule(ctx, code_prompts(target.tokenizer, max(widths)), args)
+    finally:
+        ctx.close()
+    path = store(target.name, drafter.name, schedule, table)
+    print(f"schedule {schedule.to_json()}, cap = {schedule.cap()}; written to {path} "
+          f"for {machine_key()} / {pair_key(target.name, drafter.name)}")
+    if schedule.max_k() == 0:
+        print("speculation does not pay for this pair here: it will decode plain")
+    return 0

@@ -1,0 +1,44 @@
+"""The prompts benchmarks and calibration decode: chat questions and raw code completions.
+
+For an instruct model (a tokenizer with a chat template) each question becomes one user
+turn in that template; code prompts stay raw completions either way. None of these is in
+the drafters' training data (``scripts/drafter_data.py`` keeps its own prompts).
+"""
+
+from __future__ import annotations
+
+QUESTIONS = [
+    "Explain in a short paragraph how a bicycle gear system makes climbing hills easier.",
+    "What are the main differences between a list and a tuple in Python?",
+    "Describe the water cycle for a ten-year-old.",
+    "Write a Python function that returns the n-th triangular number.",
+    "Give me four ideas for a rainy Sunday afternoon at home.",
+    "How does a hash table handle collisions?",
+    "Summarise the plot of a typical detective story in three sentences.",
+    "What should I check before buying a used car?",
+]
+
+CODE = [
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists.\"\"\"\n",
+    "class Stack:\n    \"\"\"A last-in, first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    "import os\n\ndef walk_files(root: str):\n    \"\"\"Yield every file path under root.\"\"\"\n",
+    "def parse_args(argv):\n    parser = argparse.ArgumentParser(description=",
+]
+
+
+def texts(tokenizer, n: int) -> list[str]:
+    """``n`` prompt texts, chat questions and code completions alternating."""
+    from ..kernels.models import chat_prompt
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            question = QUESTIONS[(i // 2) % len(QUESTIONS)]
+            out.append(chat_prompt(tokenizer, question) or question)
+        else:
+            out.append(CODE[(i // 2) % len(CODE)])
+    return out
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    """``n`` prompts as token ids (see ``texts``)."""
+    return [list(tokenizer.encode(t)) for t in texts(tokenizer, n)]
