@@ -171,8 +171,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--init", choices=["last", "random"], default="random")
     ap.add_argument("--eval-every", type=float, default=120.0, help="seconds between held-out evaluations")
+    ap.add_argument("--out", type=Path, default=dc.BUILD / "mtp", help="checkpoints, state and the best head")
     ap.add_argument("--extract-only", choices=["gen", "text", "all"], help="cache features and stop")
     args = ap.parse_args()
+    OUT = args.out  # noqa: N806  (the module default, overridden per run)
 
     target = dc.load_target()
     deadline = time.time() + args.extract_minutes * 60
