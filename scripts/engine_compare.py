@@ -1,7 +1,8 @@
-"""Width-1 engine check on held-out chat prompts at temperature 0: a drafter vs plain
-decoding, in one process, tokens/s side by side and token ids compared.
+"""Width-1 engine check on held-out chat prompts: a drafter vs plain decoding at each
+temperature (seeded), both engines in one process, prompts alternating which runs first;
+tokens/s side by side, acceptance, tokens per verify round, and token ids compared.
 
-    python -m specbatch.blas scripts/engine_compare.py --drafter mtp --draft-model DIR -n 4
+    python -m specbatch.blas scripts/engine_compare.py --drafter mtp --draft-model DIR -n 8 --temperatures 0,0.7,1.0
 """
 
 from __future__ import annotations
@@ -18,15 +19,36 @@ import drafter_common as dc  # noqa: E402
 from specbatch import Engine, SamplingParams  # noqa: E402
 
 
-def run(engine, prompts, max_tokens):
-    out, secs, n = [], 0.0, 0
-    for p in prompts:
-        t = time.perf_counter()
-        r = engine.submit(p, SamplingParams(max_tokens=max_tokens, temperature=0.0)).result(600)
-        secs += time.perf_counter() - t
-        out.append(list(r.token_ids))
-        n += len(r.token_ids)
-    return out, n / secs
+def one(engine, prompt, max_tokens, temperature, seed):
+    t = time.perf_counter()
+    r = engine.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)).result(600)
+    return list(r.token_ids), time.perf_counter() - t
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    drafted = after["drafted_tokens"] - before["drafted_tokens"]
+    accepted = after["accepted_tokens"] - before["accepted_tokens"]
+    rounds = sum(after["acceptance_histogram"].values()) - sum(before["acceptance_histogram"].values())
+    return {"acceptance": round(accepted / drafted, 3) if drafted else 0.0,
+            "tokens_per_round": round((accepted + rounds) / rounds, 3) if rounds else None}
+
+
+def compare(plain, spec, prompts, max_tokens, temperature) -> dict:
+    """Plain and speculative engines on the same prompts, alternating which goes first."""
+    secs, n, same = {"plain": 0.0, "spec": 0.0}, 0, True
+    before = spec.stats()
+    for i, p in enumerate(prompts):
+        order = [("plain", plain), ("spec", spec)][:: 1 if i % 2 == 0 else -1]
+        got = {}
+        for name, engine in order:
+            got[name], dt = one(engine, p, max_tokens, temperature, seed=1000 + i)
+            secs[name] += dt
+        same &= got["plain"] == got["spec"]
+        n += len(got["plain"])
+    plain_tok_s, spec_tok_s = n / secs["plain"], n / secs["spec"]
+    return {"temperature": temperature, "plain_tok_s": round(plain_tok_s, 2), "spec_tok_s": round(spec_tok_s, 2),
+            "speedup": round(spec_tok_s / plain_tok_s, 3), "identical": same, "tokens": n,
+            **acceptance(before, spec.stats())}
 
 
 def main() -> None:
@@ -36,24 +58,27 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=3)
     ap.add_argument("-n", type=int, default=4, help="held-out chat prompts")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--temperatures", default="0", help="comma-separated; seeded, so streams must match")
+    ap.add_argument("--out", default=None, help="append the JSON lines here too")
     args = ap.parse_args()
     target = dc.load_target()
     tok = target.tokenizer
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
                for p in dc.heldout_prompts()["chat"][:args.n]]
     del target
-    res = {}
-    with Engine.from_pretrained(speculation=False) as plain:
-        run(plain, prompts[:1], 8)  # warm-up
-        ref, res["plain_tok_s"] = run(plain, prompts, args.max_tokens)
-    with Engine.from_pretrained(draft_model=args.draft_model, drafter=args.drafter, num_draft_tokens=args.k,
-                                speculative_width_cap=1) as spec:
-        run(spec, prompts[:1], 8)
-        got, res["spec_tok_s"] = run(spec, prompts, args.max_tokens)
-    res.update(drafter=args.drafter, k=args.k, prompts=args.n, max_tokens=args.max_tokens,
-               speedup=round(res["spec_tok_s"] / res["plain_tok_s"], 3), identical=got == ref,
-               tokens=sum(len(r) for r in ref))
-    print(json.dumps(res))
+    with Engine.from_pretrained(speculation=False) as plain, \
+            Engine.from_pretrained(draft_model=args.draft_model, drafter=args.drafter, num_draft_tokens=args.k,
+                                   speculative_width_cap=1, draft_schedule=None, max_spec_temperature=None,
+                                   adaptive_k=False) as spec:
+        for engine in (plain, spec):
+            one(engine, prompts[0], 8, 0.0, 0)  # warm-up
+        for temperature in (float(x) for x in args.temperatures.split(",")):
+            res = {"drafter": args.drafter, "draft_model": args.draft_model, "k": args.k, "prompts": args.n,
+                   **compare(plain, spec, prompts, args.max_tokens, temperature)}
+            print(json.dumps(res), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(res) + "\n")
 
 
 if __name__ == "__main__":
