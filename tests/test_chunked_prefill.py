@@ -266,3 +266,35 @@ def test_tiny_models_stream_equal_alone_through_a_chunked_preempt(tiny, drafter)
         assert states[0] == "Scalar" and states[1] == "Batched" and s.tokens(long_id) == 0
         got = s.finish()
         assert got == alone(tiny, jobs)
+
+
+def test_calibration_picks_the_largest_chunk_within_the_gap_and_load_pair_uses_it(tiny, model_dir, tmp_path,
+                                                                                   monkeypatch):
+    import argparse
+
+    from specbatch.calibration_prefill import calibrate_prefill, measure_chunks, pick_chunk
+    from specbatch.config import load_pair
+    from specbatch.runner import ModelRunner
+
+    times = {16: 0.05, 32: 0.08, 64: 0.15, 128: 0.3}
+    assert pick_chunk(times, decode_s=0.04, gap=4.0) == 64  # 0.15 <= 0.16 < 0.3
+    assert pick_chunk(times, decode_s=0.001, gap=4.0) == 16  # nothing fits: the smallest
+    chunks, decode = measure_chunks(ModelRunner(tiny.model), [4, 8], context=16, repeats=1)
+    assert set(chunks) == {4, 8} and decode > 0 and all(t > 0 for t in chunks.values())
+
+    monkeypatch.setenv("SPECBATCH_CALIBRATION", str(tmp_path / "cal.json"))
+    target = load_pair(str(model_dir["llama"]), speculation=False)[0]
+    args = argparse.Namespace(prefill_chunks="4,8", prefill_context=16, prefill_gap=1e9, repeats=1)
+    assert calibrate_prefill(target, args) == 8  # an unbounded gap: the largest size
+    assert load_pair(str(model_dir["llama"]), speculation=False)[2].prefill_chunk == 8
+    assert load_pair(str(model_dir["llama"]), speculation=False, prefill_chunk=32)[2].prefill_chunk == 32
+    assert load_pair(str(model_dir["llama"]), drafter="ngram")[2].prefill_chunk == 8  # per target, any drafter
+
+
+def test_the_cli_carries_the_chunk_flags():
+    from specbatch.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--prefill-chunk", "64", "--no-chunked-prefill"])
+    assert args.prefill_chunk == 64 and args.chunked_prefill is False
+    args = build_parser().parse_args(["calibrate", "--measure", "prefill", "--prefill-gap", "3"])
+    assert args.measure == "prefill" and args.prefill_gap == 3.0 and args.prefill_chunk is None

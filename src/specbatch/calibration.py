@@ -1,5 +1,5 @@
 """Calibrated draft-length schedules (and the cap they imply), keyed by model pair and machine,
-written by ``specbatch calibrate``."""
+and the prefill chunk per target (``calibration_prefill``), written by ``specbatch calibrate``."""
 
 from __future__ import annotations
 
@@ -51,11 +51,19 @@ def lookup_cap(target: str, drafter: str | None) -> int | None:
 def store(target: str, drafter: str | None, schedule: DraftSchedule, measured: dict) -> Path:
     """Write the pair's entry: the schedule, the cap and k it implies, and the tokens/s
     each choice was made from."""
-    path = calibration_file()
-    table = json.loads(path.read_text()) if path.exists() else {}
     entry = {"schedule": schedule.to_json(), "cap": schedule.cap(), "k": max(1, schedule.max_k()),
              "measured_tok_s": measured}
-    table.setdefault(machine_key(), {})[pair_key(target, drafter)] = entry
+    return store_fields(target, drafter, entry, replace=True)
+
+
+def store_fields(target: str, drafter: str | None, fields: dict, replace: bool = False) -> Path:
+    """Merge ``fields`` into the pair's entry on this machine (``replace``: the entry is
+    exactly ``fields``). The prefill chunk lives under the target with no drafter."""
+    path = calibration_file()
+    table = json.loads(path.read_text()) if path.exists() else {}
+    pairs = table.setdefault(machine_key(), {})
+    key = pair_key(target, drafter)
+    pairs[key] = dict(fields) if replace else {**pairs.get(key, {}), **fields}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1))
     return path
@@ -106,12 +114,20 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
 
 
 def run_calibrate(args) -> int:
+    """``--measure``: the prefill chunk (target only), the draft-length schedule, or both."""
     from .bench import Context, code_prompts
     from .config import load_pair
 
+    measure = getattr(args, "measure", "all")
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype, drafter=args.drafter,
                                         num_draft_tokens=max(int(k) for k in args.draft_lengths.split(",")),
-                                        speculative_width_cap=0, draft_schedule=None)
+                                        speculative_width_cap=0, draft_schedule=None,
+                                        speculation=measure != "prefill")
+    if measure != "schedule":
+        from .calibration_prefill import calibrate_prefill
+        calibrate_prefill(target, args)
+        if measure == "prefill":
+            return 0
     if drafter is None:
         raise ValueError("calibration needs a drafter")
     widths = [int(w) for w in args.widths.split(",")]
