@@ -3,7 +3,7 @@
 The machines are shared and noisy, so every suite interleaves the systems it compares
 (round-robin within each repeat) and reports medians and their ratios, never one-off
 timings. Suites: plain, scalar, widths (here), transitions, memory (``bench_serving``), serving
-(``bench_http``), sharded (``bench_sharded``).
+(``bench_http``), sharded (``bench_sharded``), long_prompts (``bench_long``).
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ class Context:
         self.k = config.num_draft_tokens
         self.serving_requests = 12
         self.rates = {"low": 0.5, "medium": 1.5, "saturating": 6.0}  # requests per second
+        self.long_prompt_tokens, self.long_arrivals = 2000, 2  # long_prompts: prompts arriving while streams decode
         self._engines = []
 
     def engine(self, **overrides) -> Engine:
@@ -224,17 +225,18 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 
 def run_bench(args) -> int:
-    from . import bench_http, bench_memory, bench_prefix, bench_serving, bench_sharded
+    from . import bench_http, bench_long, bench_memory, bench_prefix, bench_serving, bench_sharded
     from .config import load_pair
     suites = {"plain": suite_plain, "scalar": suite_scalar, "widths": suite_widths, **bench_serving.SUITES,
               **bench_http.SUITES, "drafters": bench_serving.suite_drafters, **bench_sharded.SUITES,
-              **bench_memory.SUITES, **bench_prefix.SUITES}
+              **bench_memory.SUITES, **bench_prefix.SUITES, **bench_long.SUITES}
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype,
                                         speculative_width_cap=args.speculative_width_cap,
                                         num_draft_tokens=args.num_draft_tokens, drafter=args.drafter,
                                         prefill_chunk=getattr(args, "prefill_chunk", None),
                                         chunked_prefill=getattr(args, "chunked_prefill", True))
     ctx = Context(target, drafter, config, [int(w) for w in args.widths.split(",")], args.tokens, args.repeats)
+    ctx.long_prompt_tokens, ctx.long_arrivals = args.long_prompt_tokens, args.long_arrivals
     results = {"machine": machine(), "target": target.name, "drafter": getattr(drafter, "name", None),
                "k": config.num_draft_tokens, "cap": config.speculative_width_cap, "suites": {}}
     try:

@@ -177,8 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _measuring_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks side by side with mlx-lm")
-    b.add_argument("--suite", default="plain,scalar,widths,transitions,memory,serving,drafters,sharded",
-                   help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters, sharded")
+    b.add_argument("--suite", default="plain,scalar,widths,transitions,memory,serving,drafters,sharded,long_prompts",
+                   help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters, sharded, "
+                        "long_prompts, memory_layout, prefix_cache")
+    b.add_argument("--long-prompt-tokens", type=int, default=2000, help="long_prompts: tokens per arriving prompt")
+    b.add_argument("--long-arrivals", type=int, default=2, help="long_prompts: prompts arriving while streams decode")
     b.add_argument("--widths", default="1,2,4,8,16")
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
