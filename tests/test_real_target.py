@@ -68,3 +68,34 @@ def test_chat_endpoint_uses_the_template_and_stops_at_end_of_turn(smol):
     choice = reply.choices[0]
     assert "Canberra" in choice.message.content and choice.finish_reason == "stop"
     assert "<|im_end|>" not in choice.message.content and reply.usage.completion_tokens < 40
+
+
+def test_a_long_arrival_prefills_in_chunks_while_a_scalar_stream_speculates(smol):
+    """The real target: a speculating scalar stream stays Scalar while a ~300-token prompt
+    prefills one chunk per step, is preempted once that prompt is ready, and both streams
+    equal their requests decoded alone."""
+    import math
+
+    from specbatch.bench_long import long_prompts
+    from specbatch.drafters.ngram import NGramSource
+    chunk = 64
+    [long] = long_prompts(smol.tokenizer, 280, 1)
+    jobs = [(chat(smol.tokenizer, QUESTIONS[1]), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+            (long, SamplingParams(max_tokens=6, temperature=0.8, seed=3))]
+    with EngineCore(smol, None, EngineConfig(speculation=False, prefill_chunk=chunk)) as plain:
+        ref = [run(plain, [job])[0] for job in jobs]
+    config = EngineConfig(speculative_width_cap=1, num_draft_tokens=4, prefill_chunk=chunk, prompt_cache_bytes=0)
+    with EngineCore(smol, NGramSource(smol.vocab_size), config) as core:
+        ids, out, states = [core.add(*jobs[0])], {}, []
+        step = 0
+        while core.has_work():
+            if step == 2:  # the live stream is under way
+                ids.append(core.add(*jobs[1]))
+            for event in core.step():
+                out.setdefault(event.request_id, []).extend(event.token_ids)
+            states.append(core.state)
+            step += 1
+        chunks = math.ceil(len(long) / chunk)
+        assert states[2:2 + chunks] == ["Scalar"] * chunks and states[2 + chunks] == "Batched"
+        assert core.stats()["spec_rounds"] > 0
+    assert [out[rid] for rid in ids] == ref
