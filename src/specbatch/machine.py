@@ -20,6 +20,7 @@ join while rows decode; at Idle nobody decodes, so every waiter is admitted.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Callable
 
 import structlog
@@ -188,10 +189,8 @@ class SpecMachine:
     def prefill(self) -> None:
         """One chunk of the oldest long arrival still prefilling, between the rows' rounds."""
         out = self.kernels.prefill_step(self.waiting)
-        for request in out.done:  # its prefill failed: it leaves without joining
-            self.waiting.remove(request)
+        self.done += take(self.waiting, out.done)  # a failed prefill leaves without joining
         self.deliver(out)
-        self.done += out.done
 
     def scalar_round(self) -> None:
         self.deliver(self.scalar.step())
@@ -224,25 +223,24 @@ class SpecMachine:
         return self.done
 
     def _admit(self) -> None:
-        joining = self._ready()[:self._room()] if self.requests() else list(self.waiting)[:self._room()]
-        out = self.kernels.admit(self.batch, take(self.waiting, joining))
+        out = self.kernels.admit(self.batch, take(self.waiting, self._ready()[:self._room()]))
         self.deliver(out)
         self.done += out.done
 
     def _ready(self) -> list:
-        """Waiters that may join while rows decode (pure): short prompts, and long ones
-        whose chunks are all done, in arrival order."""
-        return [r for r in self.waiting if self.kernels.ready(r)]
+        """Waiters that may join, in arrival order (pure): while rows decode, short prompts
+        and long ones whose chunks are all done; with none, all (nobody waits on a prefill)."""
+        return [r for r in self.waiting if self.kernels.ready(r)] if self.requests() else list(self.waiting)
 
     def _room(self) -> int:
         """Waiters the next drain may admit: within max_batch rows, the KV budget (each
         row reserves its prompt, its budget and a verify's lookahead) and, while rows
         decode, one chunk of prompt tokens to prefill (at least one waiter)."""
-        live = self.requests()
-        joining = self._ready() if live else list(self.waiting)  # at Idle nobody waits on a prefill
+        live, joining = self.requests(), self._ready()
         n = min(len(joining), self.config.max_batch - len(live))
-        if live and self.config.chunked_prefill:
-            n = min(n, self._prefill_room(joining))
+        if live and self.config.chunked_prefill:  # prefix sums of the prompt tokens to prefill
+            costs = itertools.accumulate(self.kernels.prefill_cost(r) for r in joining)
+            n = min(n, max(1, sum(1 for c in costs if c <= self.config.prefill_chunk)))
         budget, k, per_token = self.config.kv_budget_bytes, self.config.num_draft_tokens, self.kernels.token_bytes
         if not budget or not per_token:
             return n
@@ -253,15 +251,6 @@ class SpecMachine:
             if need > budget:
                 return max(i, int(not live))  # an idle engine still takes one, or nothing runs
         return n
-
-    def _prefill_room(self, joining: list) -> int:
-        """How many of ``joining`` fit one chunk of prefill together (at least one)."""
-        tokens = 0
-        for i, r in enumerate(joining):
-            tokens += self.kernels.prefill_cost(r)
-            if i and tokens > self.config.prefill_chunk:
-                return i
-        return len(joining)
 
     def _fire(self, trigger: str) -> bool:
         """Fire ``trigger`` if its guard holds (then the round ends)."""
