@@ -86,26 +86,30 @@ def alone(target, jobs, **kw) -> list[list[int]]:
 
 @pytest.mark.parametrize("live_params", [greedy(60), seeded(60)])
 def test_a_scalar_stream_speculates_until_the_long_arrival_is_ready(fake, live_params):
+    """One chunk per scalar round (a round's buffered tokens go out one a step, between
+    them); the preempt comes the step after the last chunk."""
     target, oracle = fake
     jobs = [(prompt(5), live_params), (prompt(30, salt=1), greedy(12))]
-    chunks = math.ceil(30 / CHUNK)
     with EngineCore(target, oracle, config()) as core:
         s = Stepper(core)
         live = s.add(jobs[0])
         assert s.step() == "Scalar" and s.step() == "Scalar"
         arrival = s.add(jobs[1])
-        drafted = s.stat("drafted_tokens")
-        for i in range(chunks):  # one chunk a step; the live stream gets a token every step
-            before = s.tokens(live)
-            assert s.step() == "Scalar", i
+        done, chunks = 0, 0
+        while done < 30:  # the live stream gets a token every step; a verify round runs a chunk
+            before, rounds = s.tokens(live), s.stat("spec_rounds")
+            assert s.step() == "Scalar"
             assert s.tokens(live) == before + 1 and s.tokens(arrival) == 0
-            assert s.stat("prefilling") == 1 and s.stat("prefill_kv_bytes") > 0
-        assert s.stat("drafted_tokens") > drafted  # it kept speculating meanwhile
+            ran = s.stat("spec_rounds") - rounds
+            assert s.stat("prefill_tokens") == (min(30, done + CHUNK) if ran else done)
+            done, chunks = s.stat("prefill_tokens"), chunks + ran
+            assert s.stat("prefilling") == int(done > 0) and (s.stat("prefill_kv_bytes") > 0) == (done > 0)
+        assert chunks == math.ceil(30 / CHUNK)  # it kept speculating: a verify round per chunk
         assert s.stat("transitions") == {"Idle->Scalar": 1}
         assert s.step() == "Batched" and s.tokens(arrival) == 0  # ready: now the preempt
         assert s.stat("transitions")["Scalar->Batched"] == 1
         assert s.step() == "Batched" and s.stat("width") == 2  # joins: first token, capture round
-        assert s.tokens(arrival) == 2 and s.stat("prefilling") == 0
+        assert s.tokens(arrival) == 2 and s.stat("prefilling") == 0 and s.stat("prefill_tokens") == 0
         assert s.finish() == alone(target, jobs)
 
 
@@ -197,7 +201,8 @@ def test_cancelling_a_long_arrival_mid_prefill_drops_its_partial_kv(fake):
         s.add(jobs[0])
         s.step(), s.step()
         arrival = s.add(jobs[1])
-        s.step(), s.step()
+        while s.stat("prefill_tokens") < 2 * CHUNK:
+            assert s.step() == "Scalar"
         assert s.stat("prefilling") == 1
         core.cancel(arrival)
         assert s.step() == "Scalar" and s.stat("prefilling") == 0 and s.stat("prefill_kv_bytes") == 0

@@ -1,7 +1,7 @@
 """``specbatch calibrate`` for the prefill chunk: time per chunk against chunk size on the
 target, and the rule that picks one.
 
-A long arrival prefills one chunk per engine step between the live rows' rounds, so a live
+A long arrival prefills one chunk between two of the live rows' rounds, so a live
 stream's inter-token gap while it arrives is about one chunk plus one round. The rule: the
 *largest* chunk whose forward costs at most ``gap`` decode steps (default 6), measured
 where a long prompt's chunks run (appended to a cache already holding ``context`` tokens,

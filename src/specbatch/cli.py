@@ -32,7 +32,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "10%% of need); --kv-bits implies paged")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill forward; while requests decode, a longer prompt prefills one "
-                        "chunk per step between their rounds (default: calibrated for the target, else 128)")
+                        "chunk between two of their rounds (default: calibrated for the target, else 128)")
     p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                    help="prefill a long arrival whole at admission (live streams wait for all of it)")
     p.add_argument("--log-format", default="console", choices=["console", "json"])

@@ -78,7 +78,7 @@ class EngineConfig:
     # is refused naming both lengths, a longer budget is clamped to the room left
     max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     # prompt tokens per prefill forward. While requests decode, a longer prompt is prefilled
-    # one chunk per step between their rounds and joins once all of it is in; a scalar stream
+    # one chunk between two of their rounds and joins once all of it is in; a scalar stream
     # keeps speculating meanwhile. Calibrated per target and machine (``specbatch calibrate``)
     prefill_chunk: int = attrs.field(default=DEFAULT_PREFILL_CHUNK, validator=_positive)
     chunked_prefill: bool = True  # False: a long arrival prefills whole at admission (live rows wait)

@@ -110,7 +110,8 @@ class LoopKernels:
         pc = self.prompt_cache
         return {"prompt_cache_hits": pc.hits, "prompt_cache_misses": pc.misses,
                 "prompt_cache_bytes": pc.nbytes, "prompt_cache_entries": len(pc),
-                "prefilling": len(self.chunks), "prefill_kv_bytes": self.chunks.nbytes}
+                "prefilling": len(self.chunks), "prefill_tokens": self.chunks.tokens,
+                "prefill_kv_bytes": self.chunks.nbytes}
 
 
 def build_kernels(target, drafter, config, drafter_factory=make_drafter) -> LoopKernels:

@@ -13,8 +13,8 @@ module imports no MLX. What a loop call produced goes straight to ``deliver`` (t
 output stage), so a row ended by a stop string is gone before the next check reads it.
 Vocabulary: *width* = rows in the batch; *cap* = ``speculative_width_cap``, the widest
 batch that still speculates (inclusive; 0 = uncapped); a *ready* waiter may join now: its
-prompt fits one prefill chunk, or a long prompt's chunks (one per step, the ``prefill``
-action, between the live rows' rounds) are all done. Only ready waiters preempt, gate or
+prompt fits one prefill chunk, or a long prompt's chunks (the ``prefill`` action: one
+between two of the live rows' rounds) are all done. Only ready waiters preempt, gate or
 join while rows decode; at Idle nobody decodes, so every waiter is admitted.
 """
 
@@ -187,7 +187,11 @@ class SpecMachine:
         self.calm_rounds = self.calm_rounds + 1 if self.config.speculates_at(self.batch.width) else 0
 
     def prefill(self) -> None:
-        """One chunk of the oldest long arrival still prefilling, between the rows' rounds."""
+        """One chunk of the oldest long arrival still prefilling, between two rounds (a
+        scalar round's buffered tokens go out first, one a step: they run no forward)."""
+        self.kernels.forget(self.waiting)  # the partial prefills of waiters cancelled since
+        if self.scalar is not None and self.scalar.buffered:
+            return
         out = self.kernels.prefill_step(self.waiting)
         self.done += take(self.waiting, out.done)  # a failed prefill leaves without joining
         self.deliver(out)

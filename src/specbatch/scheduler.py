@@ -38,6 +38,7 @@ class ScalarRounds(Protocol):
     """The scalar loop as the machine drives it (``loops/scalar.py``)."""
 
     request: Request
+    buffered: int  # tokens of the last round not yet delivered (the next steps run no forward)
 
     def step(self) -> RoundOutput:
         """Deliver one token, running a speculative round when none is buffered."""

@@ -1,11 +1,11 @@
-"""Chunked prefill between rounds: a long arrival's prompt, one chunk per engine step.
+"""Chunked prefill between rounds: a long arrival's prompt, one chunk between two rounds.
 
 While requests decode, a prompt longer than one chunk is not prefilled at admission (a
 2,000-token prompt takes ~8 s on the embedded target, and every live stream would stall
-for all of it). Instead each step runs one chunk forward of the oldest such arrival on
-its own single-sequence cache, between the live streams' rounds; once the whole prompt is
-in (``ready``) the arrival joins like any other, its first token sampled from the logits
-kept from its last chunk. Chunk boundaries start at the prompt's first uncached token and
+for all of it). Instead one chunk forward of the oldest such arrival, on its own
+single-sequence cache, runs between two of the live rows' rounds; once the whole prompt
+is in (``ready``) the arrival joins like any other, its first token sampled from the
+logits kept from its last chunk. Chunk boundaries start at the prompt's first uncached token and
 are those of a whole prefill (``runner.prefill``), so a stream prefilled this way equals
 the same request prefilled at once.
 
@@ -94,6 +94,11 @@ class ChunkedPrefill:
         keep = {r.id for r in waiting}
         for rid in [rid for rid in self._partials if rid not in keep]:
             del self._partials[rid]
+
+    @property
+    def tokens(self) -> int:
+        """Prompt tokens prefilled so far, over all partial prefills."""
+        return sum(p.done for p in self._partials.values())
 
     @property
     def nbytes(self) -> int:

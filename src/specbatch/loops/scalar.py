@@ -81,6 +81,11 @@ class ScalarLoop:
     def finished(self) -> bool:
         return self.request.finished
 
+    @property
+    def buffered(self) -> int:
+        """Tokens of the last round still to go out (one a step, no forward)."""
+        return len(self._buffer)
+
     def step(self) -> RoundOutput:
         """Deliver one token (running a round when none is buffered)."""
         self.last_round = None
