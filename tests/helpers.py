@@ -19,8 +19,9 @@ def make_request(loaded, prompt, **params) -> Request:
     return Request.create(ids, sp, loaded.tokenizer)
 
 
-def run_plain(target, prompt, **params) -> list[int]:
-    loop = BatchLoop(ModelRunner(target.model))
+def run_plain(target, prompt, chunk: int | None = None, **params) -> list[int]:
+    """Decoded alone, plain; ``chunk``: the prefill chunk (the engine's, for the same forwards)."""
+    loop = BatchLoop(ModelRunner(target.model, chunk) if chunk else ModelRunner(target.model))
     request = make_request(target, prompt, **params)
     loop.admit(request)
     while not request.finished:

@@ -318,7 +318,7 @@ def test_the_chart_draws_the_capture_round_and_each_states_order():
     chart = CHART.read_text()
     assert "Batched --> Batched: capture [unarmed]" in chart
     assert "Gated --> Batched: rearm [rearm_pays]" in chart
-    assert "%% Gated: inject > count_calm > drain? > rearm? > plain_round > reap" in chart
+    assert "%% Gated: inject > count_calm > drain? > rearm? > prefill > plain_round > reap" in chart
     # the injection drain comes before a pending re-arm or capture: arrivals gate first
     assert ROUNDS["Gated"].index("inject") < ROUNDS["Gated"].index("rearm")
     assert ROUNDS["Batched"].index("gate") < ROUNDS["Batched"].index("capture")

@@ -25,6 +25,10 @@ class CountingRunner(ModelRunner):
         self.tokens += tokens.size
         return super().forward(tokens, cache)
 
+    def forward_last(self, tokens, cache):  # prefill's path (the head at the last position only)
+        self.tokens += tokens.size
+        return super().forward_last(tokens, cache)
+
 
 def single(runner, tokens):
     cache = runner.make_cache()

@@ -33,14 +33,15 @@ class Schedules(RuleBasedStateMachine):
         self.jobs: list[tuple[list[int], SamplingParams, str]] = []
 
     @initialize(cap=st.integers(0, 4), k=st.integers(1, 6), preempt=st.booleans(), resume=st.booleans(),
-                drafter=st.integers(0, 1), verify=st.sampled_from(["coupled", "coupled", "rejection"]))
-    def start(self, cap, k, preempt, resume, drafter, verify):
-        self.cap, self.verify = cap, verify
+                drafter=st.integers(0, 1), verify=st.sampled_from(["coupled", "coupled", "rejection"]),
+                chunk=st.sampled_from([128, 4, 9]))
+    def start(self, cap, k, preempt, resume, drafter, verify, chunk):
+        self.cap, self.verify, self.chunk = cap, verify, chunk
         config = EngineConfig(num_draft_tokens=k, speculative_width_cap=cap, preempt=preempt,
-                              resume=resume, rearm_min_remaining=3, verify=verify)
+                              resume=resume, rearm_min_remaining=3, verify=verify, prefill_chunk=chunk)
         self.core = EngineCore(self.target, self.drafters[drafter], config)
 
-    @rule(length=st.integers(1, 10), budget=st.integers(1, 24), temperature=st.sampled_from([0.0, 0.0, 0.8, 1.0]),
+    @rule(length=st.integers(1, 24), budget=st.integers(1, 24), temperature=st.sampled_from([0.0, 0.0, 0.8, 1.0]),
           top_p=st.sampled_from([1.0, 0.9]), seed=st.integers(0, 2**32 - 1), salt=st.integers(0, 400))
     def submit(self, length, budget, temperature, top_p, seed, salt):
         prompt = [(salt + 7 * i) % 500 + 3 for i in range(length)]
@@ -82,7 +83,7 @@ class Schedules(RuleBasedStateMachine):
             assert final.completion.token_ids == got
             if self.verify == "rejection" and params.temperature > 0:
                 continue  # rejection sampling's output depends on drafts by design
-            alone = run_plain(self.target, prompt, **{f: getattr(params, f) for f in
+            alone = run_plain(self.target, prompt, chunk=self.chunk, **{f: getattr(params, f) for f in
                               ("max_tokens", "temperature", "top_p", "seed", "ignore_eos")})
             if final.finish_reason == "cancelled":
                 assert got == alone[:len(got)]

@@ -69,3 +69,30 @@ def test_chat_endpoint_uses_the_template_and_stops_at_end_of_turn(smol):
     choice = reply.choices[0]
     assert "Canberra" in choice.message.content and choice.finish_reason == "stop"
     assert "<|im_end|>" not in choice.message.content and reply.usage.completion_tokens < 40
+
+
+def test_a_long_arrival_prefills_in_chunks_while_a_scalar_stream_speculates(smol):
+    """The real target: a speculating scalar stream stays Scalar while a ~300-token prompt
+    prefills one chunk per round, is preempted the step after that prompt is ready, and
+    both streams equal their requests decoded alone."""
+    from specbatch.tools.bench.long import long_prompts
+    from specbatch.kernels.drafters.ngram import NGramSource
+    chunk = 64
+    [long] = long_prompts(smol.tokenizer, 280, 1)
+    jobs = [(chat(smol.tokenizer, QUESTIONS[1]), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+            (long, SamplingParams(max_tokens=6, temperature=0.8, seed=3))]
+    with EngineCore(smol, None, EngineConfig(speculation=False, prefill_chunk=chunk)) as plain:
+        ref = [run(plain, [job])[0] for job in jobs]
+    config = EngineConfig(speculative_width_cap=1, num_draft_tokens=4, prefill_chunk=chunk, prompt_cache_bytes=0)
+    with EngineCore(smol, NGramSource(smol.vocab_size), config) as core:
+        ids, out, seen = [core.add(*jobs[0])], {}, []
+        while core.has_work():
+            if len(seen) == 2:  # the live stream is under way
+                ids.append(core.add(*jobs[1]))
+            for event in core.step():
+                out.setdefault(event.request_id, []).extend(event.token_ids)
+            seen.append((core.state, core.stats()["prefill_tokens"], core.stats()["spec_rounds"]))
+        ready = next(i for i, (_, tokens, _) in enumerate(seen) if tokens == len(long))
+        assert {state for state, _, _ in seen[:ready + 1]} == {"Scalar"} and seen[ready + 1][0] == "Batched"
+        assert seen[ready][2] > seen[2][2]  # it kept speculating while the prompt prefilled
+    assert [out[rid] for rid in ids] == ref

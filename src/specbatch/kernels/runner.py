@@ -13,8 +13,8 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-PREFILL_CHUNK = 512
-SPLIT_TYPES = {"llama", "mistral", "qwen2", "qwen3"}  # logits = head(model.model(x)), no scaling  # bounds prefill activation memory on long prompts
+PREFILL_CHUNK = 512  # tokens per prefill forward unless the runner says (``prefill_chunk``)
+SPLIT_TYPES = {"llama", "mistral", "qwen2", "qwen3"}  # logits = head(model.model(x)), no scaling
 
 
 class TargetRunner(Protocol):
@@ -34,8 +34,9 @@ class TargetRunner(Protocol):
 class ModelRunner:
     """``TargetRunner`` over an mlx-lm model."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, prefill_chunk: int = PREFILL_CHUNK):
         self.model = model
+        self.prefill_chunk = prefill_chunk  # tokens per prefill forward (the engine's config)
         self.n_layers = len(model.layers)
         self.vocab_size = int(model.args.vocab_size)
         self.hidden: mx.array | None = None
@@ -47,6 +48,14 @@ class ModelRunner:
             return self.model(tokens, cache=cache)
         self.hidden = self.model.model(tokens, cache=cache)  # [B, N, D], after the final norm
         return self.head(self.hidden)
+
+    def forward_last(self, tokens: mx.array, cache: list) -> mx.array:
+        """Logits ``[B, V]`` of the last position only: a prefill skips the head (a fifth of
+        the embedded target's weights) and its ``[B, N, V]`` logits at every other position."""
+        if not self._split:
+            return self.forward(tokens, cache)[:, -1, :]
+        self.hidden = self.model.model(tokens, cache=cache)  # [B, N, D]
+        return self.head(self.hidden[:, -1:])[:, 0]
 
     def head(self, hidden: mx.array) -> mx.array:
         """The target's output head (shared with head drafters): hidden -> logits."""
@@ -73,16 +82,33 @@ def prefill_batch(runner: TargetRunner, prompts: list[list[int]]):
     pads = [L - len(p) for p in prompts]
     tokens = mx.array([[0] * pad + p for p, pad in zip(prompts, pads)], dtype=mx.int32)  # [B, L]
     kv = BatchKV([RaggedKVCache.left_padded(pads) for _ in range(runner.n_layers)])
-    logits = runner.forward(tokens, kv.layers)[:, -1, :]  # [B, V]
+    logits = forward_last(runner, tokens, kv.layers)  # [B, V]
     mx.eval(logits, kv.arrays())
     return logits, kv
 
 
+def forward_last(runner: TargetRunner, tokens: mx.array, cache: list) -> mx.array:
+    """Logits ``[B, V]`` at the last of ``tokens [B, N]`` (the runner's cheaper path where it has one)."""
+    last = getattr(runner, "forward_last", None)
+    return last(tokens, cache) if last is not None else runner.forward(tokens, cache)[:, -1, :]
+
+
+def chunk_size(runner: TargetRunner) -> int:
+    return getattr(runner, "prefill_chunk", None) or PREFILL_CHUNK
+
+
+def prefill_chunk(runner: TargetRunner, tokens: list[int], cache: list) -> mx.array:
+    """One chunk ``tokens`` (at most ``chunk_size``) into ``cache``; its last logits ``[1, V]``
+    (evaluated with the new KV)."""
+    logits = forward_last(runner, mx.array(tokens, dtype=mx.int32)[None], cache)  # [1, V]
+    mx.eval(logits, [c.keys for c in cache if getattr(c, "keys", None) is not None])
+    return logits
+
+
 def prefill(runner: TargetRunner, tokens: list[int], cache: list) -> mx.array:
-    """Run ``tokens`` through the model in chunks; logits ``[1, V]`` of the last one."""
-    logits = None
-    for i in range(0, len(tokens), PREFILL_CHUNK):
-        chunk = mx.array(tokens[i:i + PREFILL_CHUNK], dtype=mx.int32)[None]  # [1, n]
-        logits = runner.forward(chunk, cache)[:, -1, :]
-        mx.eval(logits, [c.keys for c in cache if getattr(c, "keys", None) is not None])
+    """Run ``tokens`` through the model in chunks of ``chunk_size``; logits ``[1, V]`` of the
+    last one. Chunked prefill between rounds (``loops/prefill.py``) cuts the same chunks."""
+    logits, n = None, chunk_size(runner)
+    for i in range(0, len(tokens), n):
+        logits = prefill_chunk(runner, tokens[i:i + n], cache)
     return logits

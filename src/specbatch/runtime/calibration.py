@@ -1,5 +1,5 @@
 """Calibrated draft-length schedules (and the cap they imply), keyed by model pair and machine,
-written by ``specbatch calibrate``."""
+and the prefill chunk per target, written by ``specbatch calibrate`` (``tools.calibrate``)."""
 
 from __future__ import annotations
 
@@ -50,11 +50,19 @@ def lookup_cap(target: str, drafter: str | None) -> int | None:
 def store(target: str, drafter: str | None, schedule: DraftSchedule, measured: dict) -> Path:
     """Write the pair's entry: the schedule, the cap and k it implies, and the tokens/s
     each choice was made from."""
-    path = calibration_file()
-    table = json.loads(path.read_text()) if path.exists() else {}
     entry = {"schedule": schedule.to_json(), "cap": schedule.cap(), "k": max(1, schedule.max_k()),
              "measured_tok_s": measured}
-    table.setdefault(machine_key(), {})[pair_key(target, drafter)] = entry
+    return store_fields(target, drafter, entry, replace=True)
+
+
+def store_fields(target: str, drafter: str | None, fields: dict, replace: bool = False) -> Path:
+    """Merge ``fields`` into the pair's entry on this machine (``replace``: the entry is
+    exactly ``fields``). The prefill chunk lives under the target with no drafter."""
+    path = calibration_file()
+    table = json.loads(path.read_text()) if path.exists() else {}
+    pairs = table.setdefault(machine_key(), {})
+    key = pair_key(target, drafter)
+    pairs[key] = dict(fields) if replace else {**pairs.get(key, {}), **fields}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1))
     return path

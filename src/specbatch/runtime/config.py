@@ -16,6 +16,7 @@ from .schedule import DraftSchedule
 
 DEFAULT_K = 4
 DEFAULT_CAP = 2  # a separate drafter on a dense target, until calibration says otherwise
+DEFAULT_PREFILL_CHUNK = 128  # ~0.4 s a chunk on the embedded target here, until calibration says otherwise
 
 
 def _flag(*names: str, default: bool = True) -> bool:
@@ -75,6 +76,11 @@ class EngineConfig:
     # the longest prompt + completion served (None: the model's context); a longer prompt
     # is refused naming both lengths, a longer budget is clamped to the room left
     max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
+    # prompt tokens per prefill forward. While requests decode, a longer prompt is prefilled
+    # one chunk between two of their rounds and joins once all of it is in; a scalar stream
+    # keeps speculating meanwhile. Calibrated per target and machine (``specbatch calibrate``)
+    prefill_chunk: int = attrs.field(default=DEFAULT_PREFILL_CHUNK, validator=_positive)
+    chunked_prefill: bool = True  # False: a long arrival prefills whole at admission (live rows wait)
 
     def draft_length(self, requests) -> int:
         """How many tokens ``requests`` decoding together draft per round (0: plain): within
@@ -154,6 +160,11 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
         num_draft_tokens = max(1, schedule.max_k())
     if num_draft_tokens is None and drafter is not None:
         num_draft_tokens = lookup(target.name, drafter.name, "k")
+    if options.get("prefill_chunk") is None:  # set, else calibrated for this target, else the default
+        options.pop("prefill_chunk", None)
+        chunk = lookup(target.name, None, "prefill_chunk")
+        if chunk is not None:
+            options["prefill_chunk"] = chunk
     if "max_spec_temperature" not in options and drafter is not None:
         options["max_spec_temperature"] = lookup(target.name, drafter.name, "max_temperature", float)
     fields = dict(options, speculation=speculation and drafter is not None)

@@ -1,7 +1,7 @@
 """The speculative-batching state machine: Scalar, Batched, Gated.
 
     [*] --> Scalar: first request          Scalar --> [*]: request finishes, no waiters
-    Scalar --> Batched: waiters (preempt)  Batched --> Gated: over the cap
+    Scalar --> Batched: ready waiters      Batched --> Gated: over the cap
     Batched --> Batched: capture round (arms the batch)
     Gated --> Batched: back within the cap (re-arm: settle; the capture round follows)
     Batched --> [*], Gated --> [*]: last row finishes
@@ -12,11 +12,15 @@ built elsewhere (``kernels.py``) and reached through ``scheduler``'s Protocols: 
 module imports no MLX. What a loop call produced goes straight to ``deliver`` (the core's
 output stage), so a row ended by a stop string is gone before the next check reads it.
 Vocabulary: *width* = rows in the batch; *cap* = ``speculative_width_cap``, the widest
-batch that still speculates (inclusive; 0 = uncapped).
+batch that still speculates (inclusive; 0 = uncapped); a *ready* waiter may join now: its
+prompt fits one prefill chunk, or a long prompt's chunks (the ``prefill`` action: one
+between two of the live rows' rounds) are all done. Only ready waiters preempt, gate or
+join while rows decode; at Idle nobody decodes, so every waiter is admitted.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Callable
 
 import structlog
@@ -39,7 +43,8 @@ TRANSITIONS = [
     ("start_plain", "Idle", "Gated", "plain_arrivals", "begin_batch",
      "added: no drafter, speculation off, or a burst over the cap"),
     ("finish", "Scalar", "Idle", "scalar_done", "end_scalar", "request finishes, no waiters"),
-    ("preempt", "Scalar", "Batched", "waiters_behind_scalar", "do_preempt", "waiters arrive"),
+    ("preempt", "Scalar", "Batched", "waiters_behind_scalar", "do_preempt",
+     "waiters ready to decode (a long prompt's chunks all done)"),
     ("capture", "Batched", "Batched", "unarmed", "do_capture",
      "the capture round: one plain token per row, the drafter cold-starts from it (arms)"),
     ("gate", "Batched", "Gated", "over_cap", "do_gate", "over the cap"),
@@ -54,11 +59,11 @@ TRANSITIONS = [
 # over the cap trips the gate and a batch never arms over the cap.
 ROUNDS = {
     "Idle": ("start_scalar", "start_batch", "start_plain"),
-    "Scalar": ("finish", "preempt", "scalar_round"),
-    "Batched": ("gate", "inject", "drain", "capture", "spec_round", "reap", "drain"),
-    "Gated": ("inject", "count_calm", "drain", "rearm", "plain_round", "reap"),
+    "Scalar": ("finish", "preempt", "prefill", "scalar_round"),
+    "Batched": ("gate", "inject", "drain", "capture", "prefill", "spec_round", "reap", "drain"),
+    "Gated": ("inject", "count_calm", "drain", "rearm", "prefill", "plain_round", "reap"),
 }
-ACTIONS = ("inject", "count_calm", "scalar_round", "spec_round", "plain_round", "reap")
+ACTIONS = ("inject", "count_calm", "prefill", "scalar_round", "spec_round", "plain_round", "reap")
 GUARDS = {t: g for t, _, _, g, _, _ in TRANSITIONS}
 _SOURCES = {t: (s if isinstance(s, list) else [s]) for t, s, *_ in TRANSITIONS}
 assert all(step in ACTIONS or state in _SOURCES.get(step, ())
@@ -104,20 +109,21 @@ class SpecMachine:
 
     def waiters_behind_scalar(self) -> bool:
         first_token_out = self.scalar.request.emitted >= 1
-        return bool(self.waiting) and self.config.preempt and first_token_out and not self.scalar_done()
+        return self.config.preempt and first_token_out and not self.scalar_done() and bool(self._ready())
 
     def unarmed(self) -> bool:
         return not self.batch.armed and self.batch.width > 0
 
     def over_cap(self) -> bool:
         """Arrivals would take the batch over the cap, or one is too hot for speculation."""
-        joining = [r.request for r in self.batch.rows] + list(self.waiting)[:self._room()]
-        return bool(self.waiting) and not self.config.speculates_for(joining)
+        ready = self._ready()
+        joining = [r.request for r in self.batch.rows] + ready[:self._room()]
+        return bool(ready) and not self.config.speculates_for(joining)
 
     def rearm_pays(self) -> bool:
         rows = self.batch.rows
         live = [r.request.remaining for r in rows if not r.request.finished]
-        return (self.speculative and self.config.resume and not self.waiting and bool(live)
+        return (self.speculative and self.config.resume and not self._ready() and bool(live)
                 and self.config.speculates_for([r.request for r in rows])
                 and max(live) >= self.config.rearm_min_remaining
                 and self.calm_rounds >= self.config.rearm_patience)
@@ -139,6 +145,7 @@ class SpecMachine:
         self.kernels.retire(self.scalar)
         self.done.append(self.scalar.request)
         self.scalar = None
+        self.kernels.forget(self.waiting)  # partial prefills of waiters that were cancelled
 
     def do_preempt(self) -> None:
         handoff = self.scalar.close()
@@ -165,18 +172,29 @@ class SpecMachine:
 
     def end_batch(self) -> None:
         self.batch = None
+        self.kernels.forget(self.waiting)
 
     # -- actions: the loops' work in a round (ROUNDS orders them) ----------------------
     def inject(self) -> None:
         """The injection drain: rows that ended leave, waiters join (settled first)."""
         loop = self.batch
-        if self.waiting or any(r.request.finished or r.request.cancel_requested for r in loop.rows):
+        if self._ready() or any(r.request.finished or r.request.cancel_requested for r in loop.rows):
             self.deliver(loop.settle())
             self.done += loop.reap()
             self._admit()
 
     def count_calm(self) -> None:
         self.calm_rounds = self.calm_rounds + 1 if self.config.speculates_at(self.batch.width) else 0
+
+    def prefill(self) -> None:
+        """One chunk of the oldest long arrival still prefilling, between two rounds (a
+        scalar round's buffered tokens go out first, one a step: they run no forward)."""
+        self.kernels.forget(self.waiting)  # the partial prefills of waiters cancelled since
+        if self.scalar is not None and self.scalar.buffered:
+            return
+        out = self.kernels.prefill_step(self.waiting)
+        self.done += take(self.waiting, out.done)  # a failed prefill leaves without joining
+        self.deliver(out)
 
     def scalar_round(self) -> None:
         self.deliver(self.scalar.step())
@@ -190,7 +208,7 @@ class SpecMachine:
             log.debug("verify", width=len(requests), k=out.verify.drafted, accepted=out.verify.accepted)
 
     def plain_round(self) -> None:
-        pipelined = self.config.pipeline and not (self.more_coming or self.waiting)
+        pipelined = self.config.pipeline and not (self.more_coming or self._ready())
         self.deliver(self.batch.plain_round(successor=pipelined))
 
     def reap(self) -> None:
@@ -209,21 +227,30 @@ class SpecMachine:
         return self.done
 
     def _admit(self) -> None:
-        out = self.kernels.admit(self.batch, take(self.waiting, self._room()))
+        out = self.kernels.admit(self.batch, take(self.waiting, self._ready()[:self._room()]))
         self.deliver(out)
         self.done += out.done
 
+    def _ready(self) -> list:
+        """Waiters that may join, in arrival order (pure): while rows decode, short prompts
+        and long ones whose chunks are all done; with none, all (nobody waits on a prefill)."""
+        return [r for r in self.waiting if self.kernels.ready(r)] if self.requests() else list(self.waiting)
+
     def _room(self) -> int:
-        """Waiters the next drain may admit: within max_batch rows and the KV budget
-        (each row reserves its prompt, its budget and a verify's lookahead)."""
-        live = self.requests()
-        n = min(len(self.waiting), self.config.max_batch - len(live))
+        """Waiters the next drain may admit: within max_batch rows, the KV budget (each
+        row reserves its prompt, its budget and a verify's lookahead) and, while rows
+        decode, one chunk of prompt tokens to prefill (at least one waiter)."""
+        live, joining = self.requests(), self._ready()
+        n = min(len(joining), self.config.max_batch - len(live))
+        if live and self.config.chunked_prefill:  # prefix sums of the prompt tokens to prefill
+            costs = itertools.accumulate(self.kernels.prefill_cost(r) for r in joining)
+            n = min(n, max(1, sum(1 for c in costs if c <= self.config.prefill_chunk)))
         budget, k, per_token = self.config.kv_budget_bytes, self.config.num_draft_tokens, self.kernels.token_bytes
         if not budget or not per_token:
             return n
         need = sum(len(r.prompt) + r.params.max_tokens + k + 1 for r in live) * per_token
         for i in range(n):
-            r = self.waiting[i]
+            r = joining[i]
             need += (len(r.prompt) + r.params.max_tokens + k + 1) * per_token
             if need > budget:
                 return max(i, int(not live))  # an idle engine still takes one, or nothing runs
@@ -271,4 +298,5 @@ class SpecMachine:
 
     def shutdown(self) -> None:
         self.scalar, self.batch = None, None
+        self.kernels.forget(())
 

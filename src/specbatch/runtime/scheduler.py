@@ -38,6 +38,7 @@ class ScalarRounds(Protocol):
     """The scalar loop as the machine drives it (``loops/scalar.py``)."""
 
     request: Request
+    buffered: int  # tokens of the last round not yet delivered (the next steps run no forward)
 
     def step(self) -> RoundOutput:
         """Deliver one token, running a speculative round when none is buffered."""
@@ -101,8 +102,31 @@ class Kernels(Protocol):
         """A finished scalar loop offers its KV to the prompt cache."""
         ...
 
+    def ready(self, request: Request) -> bool:
+        """It may join while rows decode: its prompt fits one chunk, or its chunks are done."""
+        ...
+
+    def prefill_cost(self, request: Request) -> int:
+        """Prompt tokens its admission would still prefill."""
+        ...
+
+    def prefill_step(self, waiting: collections.deque) -> RoundOutput:
+        """One chunk of the oldest waiter not ready (between rounds); failures in ``done``."""
+        ...
+
+    def forget(self, waiting) -> None:
+        """Drop partial prefills of requests no longer in ``waiting``."""
+        ...
+
     def gauges(self) -> dict: ...
 
 
-def take(waiting: collections.deque, n: int) -> list[Request]:
-    return [waiting.popleft() for _ in range(min(n, len(waiting)))]
+def take(waiting: collections.deque, joining: list[Request]) -> list[Request]:
+    """Remove ``joining`` (waiters, in arrival order) from ``waiting``; return them."""
+    if all(a is b for a, b in zip(joining, waiting)):  # a prefix: the common case
+        for _ in joining:
+            waiting.popleft()
+    else:
+        for request in joining:
+            waiting.remove(request)
+    return joining

@@ -30,6 +30,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layout", default=None, choices=["dense", "paged"],
                    help="the batch's KV: dense (faster here; the default) or paged blocks (allocation within "
                         "10%% of need); --kv-bits implies paged")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill forward; while requests decode, a longer prompt prefills one "
+                        "chunk between two of their rounds (default: calibrated for the target, else 128)")
+    p.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
+                   help="prefill a long arrival whole at admission (live streams wait for all of it)")
     p.add_argument("--log-format", default="console", choices=["console", "json"])
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -49,7 +54,8 @@ def _engine(args, **options):
                    num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, drafter=args.drafter,
                    **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
                    **({"kv_bits": args.kv_bits} if args.kv_bits else {}),
-                   **({"kv_layout": args.kv_layout} if args.kv_layout else {}))
+                   **({"kv_layout": args.kv_layout} if args.kv_layout else {}),
+                   prefill_chunk=args.prefill_chunk, chunked_prefill=args.chunked_prefill)
     if not getattr(args, "distributed", False):
         return Engine.from_pretrained(args.model, args.draft_model, **options)
     from .dist import sharded_engine
@@ -171,8 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _measuring_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks side by side with mlx-lm")
-    b.add_argument("--suite", default="plain,scalar,widths,transitions,memory,serving,drafters,sharded",
-                   help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters, sharded")
+    b.add_argument("--suite", default="plain,scalar,widths,transitions,memory,serving,drafters,sharded,long_prompts",
+                   help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters, sharded, "
+                        "long_prompts, memory_layout, prefix_cache")
+    b.add_argument("--long-prompt-tokens", type=int, default=2000, help="long_prompts: tokens per arriving prompt")
+    b.add_argument("--long-arrivals", type=int, default=2, help="long_prompts: prompts arriving while streams decode")
     b.add_argument("--widths", default="1,2,4,8,16")
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
@@ -181,8 +190,16 @@ def _measuring_parsers(sub) -> None:
     _model_args(b)
     b.set_defaults(func=cmd_bench)
 
-    c = sub.add_parser("calibrate", help="measure the draft length per width and temperature for this pair "
-                                         "on this machine (the schedule; its widest k > 0 is the cap)")
+    c = sub.add_parser("calibrate", help="measure the prefill chunk for the target, and the draft length per "
+                                         "width and temperature for this pair on this machine (the schedule; "
+                                         "its widest k > 0 is the cap)")
+    c.add_argument("--measure", default="all", choices=["all", "prefill", "schedule"])
+    c.add_argument("--prefill-chunks", default="16,32,48,64,96,128,192,256,384,512",
+                   help="prefill chunk sizes to time")
+    c.add_argument("--prefill-gap", type=float, default=6.0,
+                   help="the largest chunk costing at most this many decode steps is chosen")
+    c.add_argument("--prefill-context", type=int, default=1024,
+                   help="tokens already in the cache when a chunk is timed (mid-way into a 2,000-token prompt)")
     c.add_argument("--widths", default="1,2,4,8,16")
     c.add_argument("--draft-lengths", default="1,2,3,4,6", help="draft lengths to try at each width")
     c.add_argument("--tokens", type=int, default=32)

@@ -1,6 +1,7 @@
 """``specbatch calibrate``: measures the draft-length schedule per pair and machine (tokens/s
 plain and at each draft length, per width and temperature band, side by side) and stores it
-in the calibration file (``runtime.calibration``)."""
+in the calibration file (``runtime.calibration``); the prefill chunk comes from
+``calibrate_prefill``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import statistics
 from ..runtime.calibration import machine_key, pair_key, store
 from ..runtime.schedule import Band, DraftSchedule
 from .bench.harness import Context, code_prompts, engine_tok_s
+from .calibrate_prefill import calibrate_prefill
 
 TEMPERATURES = (0.0, 0.7, 1.0)
 DRAFT_LENGTHS = (1, 2, 3, 4, 6)
@@ -54,11 +56,18 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
 
 
 def run_calibrate(args) -> int:
+    """``--measure``: the prefill chunk (target only), the draft-length schedule, or both."""
     from ..runtime.config import load_pair
 
+    measure = getattr(args, "measure", "all")
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype, drafter=args.drafter,
                                         num_draft_tokens=max(int(k) for k in args.draft_lengths.split(",")),
-                                        speculative_width_cap=0, draft_schedule=None)
+                                        speculative_width_cap=0, draft_schedule=None,
+                                        speculation=measure != "prefill")
+    if measure != "schedule":
+        calibrate_prefill(target, args)
+        if measure == "prefill":
+            return 0
     if drafter is None:
         raise ValueError("calibration needs a drafter")
     widths = [int(w) for w in args.widths.split(",")]

@@ -16,10 +16,14 @@ log = structlog.get_logger(__name__)
 BATCH_PREFILL_TOKENS = 2048  # padded tokens per batched prefill: bounds its activations
 
 
-def admit_each(loop: BatchLoop, requests: list[Request], prompt_cache=None) -> RoundOutput:
-    """Admit ``requests``; a request that fails or finishes at once is in ``out.done``."""
-    out, fresh = RoundOutput(), []
+def admit_each(loop: BatchLoop, requests: list[Request], prompt_cache=None, prefilled=None) -> RoundOutput:
+    """Admit ``requests``; a request that fails or finishes at once is in ``out.done``.
+    ``prefilled``: request id -> its chunked prefill so far (``loops.prefill.Partial``)."""
+    out, fresh, prefilled = RoundOutput(), [], prefilled or {}
     for request in requests:
+        if (p := prefilled.get(request.id)) is not None:
+            out.merge(_admit_one(loop, request, p.cache, p.logits, p.hidden))
+            continue
         cache, _ = prompt_cache.lookup(request.prompt) if prompt_cache else (None, 0)
         if cache is None and len(request.prompt) <= PREFILL_CHUNK:
             fresh.append(request)
@@ -66,10 +70,10 @@ def _groups(requests: list[Request]) -> list[list[Request]]:
     return groups
 
 
-def _admit_one(loop: BatchLoop, request: Request, cache) -> RoundOutput:
+def _admit_one(loop: BatchLoop, request: Request, cache, logits=None, hidden=None) -> RoundOutput:
     out = RoundOutput()
     try:
-        out = loop.admit(request, cache=cache)
+        out = loop.admit(request, cache=cache, logits=logits, hidden=hidden)
     except Exception as exc:  # one bad request never takes down the batch
         log.exception("admit_failed", request=request.id, error=str(exc))
         request.abort("error", f"admission failed: {exc}")

@@ -68,21 +68,24 @@ class BatchLoop:
         return self._lookahead is None
 
     # -- admission --------------------------------------------------------------------
-    def admit(self, request: Request, cache: list | None = None) -> RoundOutput:
-        """Prefill one request, emit its first token and add it as a row (if it goes on).
+    def admit(self, request: Request, cache: list | None = None, logits=None, hidden=None) -> RoundOutput:
+        """Prefill one request (the rest past ``cache``), emit its first token and add it as a
+        row (if it goes on). ``logits`` ``[1, V]`` (and ``hidden``): its prompt is all in
+        ``cache`` already (a chunked prefill), so nothing is prefilled here.
 
         Armed, the row joins the drafter too; the machine admits into an armed loop only
         while the batch stays within the cap."""
         assert self.settled, "admit only between settled rounds"
         single = cache if cache is not None else self.target.make_cache()
-        have = single[0].offset if single and single[0].keys is not None else 0
-        logits = prefill(self.target, request.prompt[have:], single)  # [1, V]
+        if logits is None:
+            have = single[0].offset if single and single[0].keys is not None else 0
+            logits = prefill(self.target, request.prompt[have:], single)  # [1, V]
+            hidden = last_hidden(self.target)
         rows = RowSampling.of([request.params])
         [[first]], [lps] = sample_read(logits[:, None, :], rows, positions_from([0], 1))
         out = RoundOutput()
         if not out.emit(request, first, lps and lps[0]):
-            self.add_row(Row(request, first, request.prompt[-1]), BatchKV.from_singles(single),
-                         last_hidden(self.target))
+            self.add_row(Row(request, first, request.prompt[-1]), BatchKV.from_singles(single), hidden)
         return out
 
     def admit_many(self, requests: list[Request]) -> RoundOutput:

@@ -60,22 +60,31 @@ class ScalarLoop:
         plain rounds). Adaptive rounds keep their current length where it is smaller."""
         self.k, self.k_now = k, (min(self.k_now, k) if self.adaptive else k)
 
-    def start(self, cache: list | None = None) -> RoundOutput:
-        """Prefill, emit the first token, and prefill the drafter's copy of the history."""
+    def start(self, cache: list | None = None, logits=None, hidden=None) -> RoundOutput:
+        """Prefill (the rest past ``cache``), emit the first token, and prefill the drafter's
+        copy of the history. ``logits`` ``[1, V]`` (and ``hidden``): the prompt is all in
+        ``cache`` already (a chunked prefill), so nothing is prefilled here."""
         if cache is not None:
             self.cache = cache
-        have = self.cache[0].offset if self.cache[0].keys is not None else 0
-        logits = prefill(self.target, self.request.prompt[have:], self.cache)
+        if logits is None:
+            have = self.cache[0].offset if self.cache[0].keys is not None else 0
+            logits = prefill(self.target, self.request.prompt[have:], self.cache)
+            hidden = last_hidden(self.target)
         [[first]], [lps] = sample_read(logits[:, None, :], self._rows, positions_from([0], 1))
         self.prev, self.pending = self.request.prompt[-1], first
         out = RoundOutput()
         if not out.emit(self.request, first, lps and lps[0]) and self.drafter is not None:
-            self.drafter.add_rows([self.request.prompt + [first]], hidden=last_hidden(self.target))
+            self.drafter.add_rows([self.request.prompt + [first]], hidden=hidden)
         return out
 
     @property
     def finished(self) -> bool:
         return self.request.finished
+
+    @property
+    def buffered(self) -> int:
+        """Tokens of the last round still to go out (one a step, no forward)."""
+        return len(self._buffer)
 
     def step(self) -> RoundOutput:
         """Deliver one token (running a round when none is buffered)."""

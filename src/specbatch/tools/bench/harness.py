@@ -4,7 +4,7 @@ every suite gets.
 The machines are shared and noisy, so every suite interleaves the systems it compares
 (round-robin within each repeat) and reports medians and their ratios, never one-off
 timings. Suites live beside this module (``basic``, ``serving``, ``http``, ``sharded``,
-``memory``, ``prefix``); ``run`` picks them by name.
+``memory``, ``prefix``, ``long``); ``run`` picks them by name.
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ class Context:
         self.k = config.num_draft_tokens
         self.serving_requests = 12
         self.rates = {"low": 0.5, "medium": 1.5, "saturating": 6.0}  # requests per second
+        self.long_prompt_tokens, self.long_arrivals = 2000, 2  # long_prompts: prompts arriving while streams decode
         self._engines = []
 
     def engine(self, **overrides) -> Engine:

@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 from ...runtime.config import load_pair
-from . import basic, http, memory, prefix, serving, sharded
+from . import basic, http, long, memory, prefix, serving, sharded
 from .harness import Context
 
 SUITES = {"plain": basic.suite_plain, "scalar": basic.suite_scalar, "widths": basic.suite_widths,
           **serving.SUITES, **http.SUITES, "drafters": serving.suite_drafters, **sharded.SUITES,
-          **memory.SUITES, **prefix.SUITES}
+          **memory.SUITES, **prefix.SUITES, **long.SUITES}
 
 
 def machine() -> dict:
@@ -38,8 +38,11 @@ def run_bench(args) -> int:
     suites = SUITES
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype,
                                         speculative_width_cap=args.speculative_width_cap,
-                                        num_draft_tokens=args.num_draft_tokens, drafter=args.drafter)
+                                        num_draft_tokens=args.num_draft_tokens, drafter=args.drafter,
+                                        prefill_chunk=getattr(args, "prefill_chunk", None),
+                                        chunked_prefill=getattr(args, "chunked_prefill", True))
     ctx = Context(target, drafter, config, [int(w) for w in args.widths.split(",")], args.tokens, args.repeats)
+    ctx.long_prompt_tokens, ctx.long_arrivals = args.long_prompt_tokens, args.long_arrivals
     results = {"machine": machine(), "target": target.name, "drafter": getattr(drafter, "name", None),
                "k": config.num_draft_tokens, "cap": config.speculative_width_cap, "suites": {}}
     try:

@@ -1,0 +1,305 @@
+"""Long arrivals prefill one chunk per step between the live rows' rounds, in every state.
+
+Driven through ``EngineCore.step()`` (no thread, no timing): the state, the width and the
+tokens each request has after every step are exact. A scalar stream keeps speculating
+while a long prompt prefills and is preempted only once that prompt is ready to decode;
+batched and gated rows keep decoding the same way. Every stream equals its request
+decoded alone (greedy and seeded).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from helpers import Run, drive
+
+from specbatch import EngineCore, SamplingParams
+from specbatch.runtime.config import EngineConfig
+from specbatch.testing.fake import FakeModel
+from specbatch.kernels.models import LoadedModel
+
+CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def fake(tiny):
+    target = LoadedModel(FakeModel(), tiny.tokenizer, "fake-target", 4096)
+    oracle = LoadedModel(FakeModel(), tiny.tokenizer, "fake-oracle", 4096)  # accepts every draft
+    return target, oracle
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(salt + 7 * i) % 500 + 3 for i in range(n)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def seeded(n: int, seed: int = 5) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.8, seed=seed, ignore_eos=True)
+
+
+def config(**kw) -> EngineConfig:
+    return EngineConfig(**{"num_draft_tokens": 3, "speculative_width_cap": 2, "prefill_chunk": CHUNK,
+                           "prompt_cache_bytes": 0, **kw})
+
+
+class Stepper:
+    """Steps a core and records, per step, the state, width and each request's tokens."""
+
+    def __init__(self, core: EngineCore):
+        self.core, self.run, self.ids = core, Run(), []
+
+    def add(self, job) -> str:
+        self.ids.append(self.core.add(*job))
+        return self.ids[-1]
+
+    def step(self) -> str:
+        self.run.see(self.core.step())
+        self.run.states.append(self.core.state)
+        return self.core.state
+
+    def tokens(self, rid: str) -> int:
+        return len(self.run.tokens.get(rid, []))
+
+    def stat(self, name: str):
+        return self.core.stats()[name]
+
+    def finish(self) -> list[list[int]]:
+        drive(self.core, run=self.run)
+        assert all(rid in self.run.finals for rid in self.ids)
+        assert self.stat("prefilling") == 0 and self.stat("prefill_kv_bytes") == 0
+        return [self.run.tokens[rid] for rid in self.ids]
+
+
+def alone(target, jobs, **kw) -> list[list[int]]:
+    """Each job decoded alone, plain, with the same chunk size (the same prefill forwards)."""
+    out = []
+    with EngineCore(target, None, config(speculation=False, **kw)) as core:
+        for job in jobs:
+            run, (rid,) = drive(core, {0: [job]})
+            out.append(run.tokens[rid])
+    return out
+
+
+@pytest.mark.parametrize("live_params", [greedy(60), seeded(60)])
+def test_a_scalar_stream_speculates_until_the_long_arrival_is_ready(fake, live_params):
+    """One chunk per scalar round (a round's buffered tokens go out one a step, between
+    them); the preempt comes the step after the last chunk."""
+    target, oracle = fake
+    jobs = [(prompt(5), live_params), (prompt(30, salt=1), greedy(12))]
+    with EngineCore(target, oracle, config()) as core:
+        s = Stepper(core)
+        live = s.add(jobs[0])
+        assert s.step() == "Scalar" and s.step() == "Scalar"
+        arrival = s.add(jobs[1])
+        done, chunks = 0, 0
+        while done < 30:  # the live stream gets a token every step; a verify round runs a chunk
+            before, rounds = s.tokens(live), s.stat("spec_rounds")
+            assert s.step() == "Scalar"
+            assert s.tokens(live) == before + 1 and s.tokens(arrival) == 0
+            ran = s.stat("spec_rounds") - rounds
+            assert s.stat("prefill_tokens") == (min(30, done + CHUNK) if ran else done)
+            done, chunks = s.stat("prefill_tokens"), chunks + ran
+            assert s.stat("prefilling") == int(done > 0) and (s.stat("prefill_kv_bytes") > 0) == (done > 0)
+        assert chunks == math.ceil(30 / CHUNK)  # it kept speculating: a verify round per chunk
+        assert s.stat("transitions") == {"Idle->Scalar": 1}
+        assert s.step() == "Batched" and s.tokens(arrival) == 0  # ready: now the preempt
+        assert s.stat("transitions")["Scalar->Batched"] == 1
+        assert s.step() == "Batched" and s.stat("width") == 2  # joins: first token, capture round
+        assert s.tokens(arrival) == 2 and s.stat("prefilling") == 0 and s.stat("prefill_tokens") == 0
+        assert s.finish() == alone(target, jobs)
+
+
+def test_without_chunking_the_arrival_preempts_at_once_and_prefills_whole(fake):
+    target, oracle = fake
+    jobs = [(prompt(5), greedy(40)), (prompt(30, salt=1), greedy(12))]
+    with EngineCore(target, oracle, config(chunked_prefill=False)) as core:
+        s = Stepper(core)
+        s.add(jobs[0])
+        s.step(), s.step()
+        arrival = s.add(jobs[1])
+        assert s.step() == "Batched" and s.stat("prefilling") == 0  # preempted before any prefill
+        assert s.step() == "Batched" and s.tokens(arrival) == 2  # the whole prompt in one step
+        assert s.finish() == alone(target, jobs, chunked_prefill=False)
+
+
+def test_a_speculating_batch_keeps_speculating_and_the_arrival_joins_armed(fake):
+    target, oracle = fake
+    jobs = [(prompt(5), greedy(50)), (prompt(6, salt=2), seeded(50)), (prompt(20, salt=1), seeded(10, 9))]
+    with EngineCore(target, oracle, config(speculative_width_cap=3)) as core:
+        s = Stepper(core)
+        a, b = s.add(jobs[0]), s.add(jobs[1])
+        assert [s.step() for _ in range(3)] == ["Batched"] * 3  # start, capture, a verify round
+        arrival = s.add(jobs[2])
+        for _ in range(math.ceil(20 / CHUNK)):
+            before, rounds = (s.tokens(a), s.tokens(b)), s.stat("spec_rounds")
+            assert s.step() == "Batched" and s.stat("width") == 2 and s.tokens(arrival) == 0
+            assert s.stat("spec_rounds") == rounds + 1 and s.tokens(a) > before[0] and s.tokens(b) > before[1]
+        rounds = s.stat("spec_rounds")
+        assert s.step() == "Batched" and s.stat("width") == 3 and s.tokens(arrival) >= 1
+        assert s.stat("spec_rounds") == rounds + 1  # joined the armed batch: no capture round
+        assert s.finish() == alone(target, jobs)
+
+
+def test_a_batch_gates_only_when_the_arrival_is_ready(fake):
+    target, oracle = fake
+    jobs = [(prompt(5), greedy(40)), (prompt(6, salt=2), greedy(40)), (prompt(20, salt=1), greedy(10))]
+    with EngineCore(target, oracle, config()) as core:
+        s = Stepper(core)
+        s.add(jobs[0]), s.add(jobs[1])
+        assert [s.step() for _ in range(2)] == ["Batched"] * 2
+        arrival = s.add(jobs[2])
+        for _ in range(math.ceil(20 / CHUNK)):
+            assert s.step() == "Batched" and s.stat("width") == 2  # speculating at the cap
+        assert s.step() == "Gated" and s.stat("width") == 2 and s.tokens(arrival) == 0
+        assert s.step() == "Gated" and s.stat("width") == 3 and s.tokens(arrival) >= 1
+        assert s.finish() == alone(target, jobs)
+
+
+def test_a_gated_batch_keeps_decoding_plain_while_the_arrival_prefills(fake):
+    target, oracle = fake
+    jobs = [(prompt(5), greedy(40)), (prompt(6, salt=2), seeded(40)), (prompt(20, salt=1), greedy(10))]
+    with EngineCore(target, oracle, config(speculative_width_cap=1)) as core:
+        s = Stepper(core)
+        a, b = s.add(jobs[0]), s.add(jobs[1])
+        assert [s.step() for _ in range(2)] == ["Gated"] * 2
+        arrival = s.add(jobs[2])
+        for _ in range(math.ceil(20 / CHUNK)):
+            before = s.tokens(a), s.tokens(b)
+            assert s.step() == "Gated" and s.stat("width") == 2 and s.tokens(arrival) == 0
+            assert s.tokens(a) == before[0] + 1 and s.tokens(b) == before[1] + 1
+        assert s.step() == "Gated" and s.stat("width") == 3 and s.tokens(arrival) >= 1
+        assert s.finish() == alone(target, jobs)
+
+
+def test_while_rows_decode_admission_prefills_at_most_a_chunk_a_step(fake):
+    target, oracle = fake
+    jobs = [(prompt(5), greedy(30)), (prompt(6, salt=2), greedy(30))]
+    jobs += [(prompt(6, salt=10 + i), greedy(8)) for i in range(3)]  # 6 + 6 > CHUNK
+    with EngineCore(target, oracle, config(speculative_width_cap=1)) as core:
+        s = Stepper(core)
+        s.add(jobs[0]), s.add(jobs[1])
+        s.step(), s.step()
+        for job in jobs[2:]:
+            s.add(job)
+        widths = []
+        for _ in range(3):
+            s.step()
+            widths.append(s.stat("width"))
+        assert widths == [3, 4, 5]
+        assert s.finish() == alone(target, jobs)
+
+
+def test_cancelling_a_long_arrival_mid_prefill_drops_its_partial_kv(fake):
+    target, oracle = fake
+    jobs = [(prompt(5), greedy(30)), (prompt(40, salt=1), greedy(10))]
+    with EngineCore(target, oracle, config()) as core:
+        s = Stepper(core)
+        s.add(jobs[0])
+        s.step(), s.step()
+        arrival = s.add(jobs[1])
+        while s.stat("prefill_tokens") < 2 * CHUNK:
+            assert s.step() == "Scalar"
+        assert s.stat("prefilling") == 1
+        core.cancel(arrival)
+        assert s.step() == "Scalar" and s.stat("prefilling") == 0 and s.stat("prefill_kv_bytes") == 0
+        assert s.run.finals[arrival].finish_reason == "cancelled" and s.tokens(arrival) == 0
+        got = s.finish()
+        assert got[0] == alone(target, jobs[:1])[0]
+        assert s.run.path == ["Scalar", "Idle"]
+
+
+def test_a_scalar_stream_that_ends_mid_prefill_hands_over_to_the_arrival(fake):
+    target, oracle = fake
+    jobs = [(prompt(5), greedy(4)), (prompt(60, salt=1), seeded(12))]
+    with EngineCore(target, oracle, config()) as core:
+        s = Stepper(core)
+        s.add(jobs[0])
+        s.step()
+        s.add(jobs[1])
+        got = s.finish()
+        assert s.run.path == ["Scalar", "Idle", "Scalar", "Idle"]  # it went on from its partial prefill
+        assert got == alone(target, jobs)
+
+
+def test_a_failing_chunk_fails_only_its_arrival(fake):
+    target, oracle = fake
+    jobs = [(prompt(5), greedy(30)), (prompt(30, salt=1), greedy(10))]
+    with EngineCore(target, oracle, config()) as core:
+        s = Stepper(core)
+        live = s.add(jobs[0])
+        s.step()
+        runner = core.scheduler.kernels.runner
+
+        def broken(tokens, cache):  # only prefill goes through forward_last once it decodes
+            raise RuntimeError("injected prefill failure")
+        runner.forward_last = broken
+        arrival = s.add(jobs[1])
+        assert s.step() == "Scalar"
+        final = s.run.finals[arrival]
+        assert final.finish_reason == "error" and "injected prefill failure" in final.error
+        del runner.forward_last
+        got = s.finish()
+        assert s.run.finals[live].finish_reason == "length" and got[0] == alone(target, jobs[:1])[0]
+
+
+@pytest.mark.parametrize("drafter", ["model", "mtp"])
+def test_tiny_models_stream_equal_alone_through_a_chunked_preempt(tiny, drafter):
+    if drafter == "mtp":
+        import mlx.core as mx
+
+        from specbatch.kernels.drafters.mtp import MTPHead, head_config
+        mx.random.seed(3)
+        source = MTPHead(head_config(tiny.model.args, intermediate_size=64))
+        mx.eval(source.parameters())
+    else:
+        source = tiny  # drafting for itself
+    jobs = [("def f(x):", seeded(40, 1)), (" ".join(f"x{i} = {i}" for i in range(12)), greedy(10)),
+            ("import os\n", greedy(8))]
+    with EngineCore(tiny, source, config(speculative_width_cap=3)) as core:
+        s = Stepper(core)
+        s.add(jobs[0])
+        s.step(), s.step()
+        long_id = s.add(jobs[1])
+        assert len(core.encode(jobs[1][0])) > 2 * CHUNK
+        states = [s.step()]
+        s.add(jobs[2])  # a short arrival behind the long one joins first
+        states += [s.step() for _ in range(2)]
+        assert states[0] == "Scalar" and states[1] == "Batched" and s.tokens(long_id) == 0
+        got = s.finish()
+        assert got == alone(tiny, jobs)
+
+
+def test_calibration_picks_the_largest_chunk_within_the_gap_and_load_pair_uses_it(tiny, model_dir, tmp_path,
+                                                                                   monkeypatch):
+    import argparse
+
+    from specbatch.tools.calibrate_prefill import calibrate_prefill, measure_chunks, pick_chunk
+    from specbatch.runtime.config import load_pair
+    from specbatch.kernels.runner import ModelRunner
+
+    times = {16: 0.05, 32: 0.08, 64: 0.15, 128: 0.3}
+    assert pick_chunk(times, decode_s=0.04, gap=4.0) == 64  # 0.15 <= 0.16 < 0.3
+    assert pick_chunk(times, decode_s=0.001, gap=4.0) == 16  # nothing fits: the smallest
+    chunks, decode = measure_chunks(ModelRunner(tiny.model), [4, 8], context=16, repeats=1)
+    assert set(chunks) == {4, 8} and decode > 0 and all(t > 0 for t in chunks.values())
+
+    monkeypatch.setenv("SPECBATCH_CALIBRATION", str(tmp_path / "cal.json"))
+    target = load_pair(str(model_dir["llama"]), speculation=False)[0]
+    args = argparse.Namespace(prefill_chunks="4,8", prefill_context=16, prefill_gap=1e9, repeats=1)
+    assert calibrate_prefill(target, args) == 8  # an unbounded gap: the largest size
+    assert load_pair(str(model_dir["llama"]), speculation=False)[2].prefill_chunk == 8
+    assert load_pair(str(model_dir["llama"]), speculation=False, prefill_chunk=32)[2].prefill_chunk == 32
+    assert load_pair(str(model_dir["llama"]), drafter="ngram")[2].prefill_chunk == 8  # per target, any drafter
+
+
+def test_the_cli_carries_the_chunk_flags():
+    from specbatch.serving.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--prefill-chunk", "64", "--no-chunked-prefill"])
+    assert args.prefill_chunk == 64 and args.chunked_prefill is False
+    args = build_parser().parse_args(["calibrate", "--measure", "prefill", "--prefill-gap", "3"])
+    assert args.measure == "prefill" and args.prefill_gap == 3.0 and args.prefill_chunk is None
