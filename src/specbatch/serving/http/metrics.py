@@ -41,7 +41,10 @@ def render_metrics(stats: dict) -> str:
               ("specbatch_kv_bytes", "target KV bytes allocated", stats["kv_bytes"]),
               ("specbatch_kv_used_bytes", "target KV bytes the held tokens need", stats["kv_used_bytes"]),
               ("specbatch_drafter_kv_bytes", "drafter KV bytes allocated", stats["drafter_kv_bytes"]),
-              ("specbatch_prompt_cache_bytes", "prompt-cache bytes held", stats.get("prompt_cache_bytes", 0))]
+              ("specbatch_prompt_cache_bytes", "prompt-cache bytes held", stats.get("prompt_cache_bytes", 0)),
+              ("specbatch_prefilling", "long arrivals prefilling between rounds", stats.get("prefilling", 0)),
+              ("specbatch_prefill_tokens", "prompt tokens those arrivals have prefilled so far", stats.get("prefill_tokens", 0)),
+              ("specbatch_prefill_kv_bytes", "KV bytes held by arrivals still prefilling", stats.get("prefill_kv_bytes", 0))]
     for name, help_text, value in gauges:
         out += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", _line(name, value)]
     out += ["# HELP specbatch_state current machine state (1 = current)", "# TYPE specbatch_state gauge"]
