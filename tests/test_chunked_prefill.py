@@ -303,3 +303,25 @@ def test_the_cli_carries_the_chunk_flags():
     assert args.prefill_chunk == 64 and args.chunked_prefill is False
     args = build_parser().parse_args(["calibrate", "--measure", "prefill", "--prefill-gap", "3"])
     assert args.measure == "prefill" and args.prefill_gap == 3.0 and args.prefill_chunk is None
+
+
+@pytest.mark.parametrize("fits", [False, True])
+def test_a_long_arrival_starts_prefilling_only_within_the_kv_budget(tiny, fits):
+    """A partial prefill holds KV: its chunks start only once its reservation fits beside
+    the live rows'; past the budget it waits whole and prefills when there is room."""
+    from specbatch.kernels.models import kv_bytes_per_token
+    per_token = kv_bytes_per_token(tiny.model)
+    live_job, long_job = (prompt(5), greedy(12)), (prompt(40, salt=2), greedy(4))
+    reserve = lambda job: (len(job[0]) + job[1].max_tokens + 3 + 1) * per_token  # noqa: E731
+    budget = reserve(live_job) + (reserve(long_job) if fits else reserve(long_job) // 2)
+    with EngineCore(tiny, None, config(speculation=False, kv_budget_bytes=budget)) as core:
+        s = Stepper(core)
+        live = s.add(live_job)
+        s.step()
+        s.add(long_job)
+        seen = set()
+        while s.tokens(live) < 12:
+            s.step()
+            seen.add(s.stat("prefilling"))
+        assert seen == ({0, 1} if fits else {0})
+        assert [len(t) for t in s.finish()] == [12, 4]

@@ -192,7 +192,7 @@ class SpecMachine:
         self.kernels.forget(self.waiting)  # the partial prefills of waiters cancelled since
         if self.scalar is not None and self.scalar.buffered:
             return
-        out = self.kernels.prefill_step(self.waiting)
+        out = self.kernels.prefill_step(self._within_budget(self.requests(), list(self.waiting)))
         self.done += take(self.waiting, out.done)  # a failed prefill leaves without joining
         self.deliver(out)
 
@@ -245,16 +245,21 @@ class SpecMachine:
         if live and self.config.chunked_prefill:  # prefix sums of the prompt tokens to prefill
             costs = itertools.accumulate(self.kernels.prefill_cost(r) for r in joining)
             n = min(n, max(1, sum(1 for c in costs if c <= self.config.prefill_chunk)))
+        return len(self._within_budget(live, joining[:n]))
+
+    def _within_budget(self, live: list, waiters: list) -> list:
+        """The leading ``waiters`` whose KV fits the budget beside ``live`` (each row reserves
+        its prompt, its budget and a verify's lookahead); an idle engine still takes one.
+        Prefill chunks start only for these: a partial prefill holds KV too."""
         budget, k, per_token = self.config.kv_budget_bytes, self.config.num_draft_tokens, self.kernels.token_bytes
         if not budget or not per_token:
-            return n
+            return waiters
         need = sum(len(r.prompt) + r.params.max_tokens + k + 1 for r in live) * per_token
-        for i in range(n):
-            r = joining[i]
+        for i, r in enumerate(waiters):
             need += (len(r.prompt) + r.params.max_tokens + k + 1) * per_token
             if need > budget:
-                return max(i, int(not live))  # an idle engine still takes one, or nothing runs
-        return n
+                return waiters[:max(i, int(not live))]
+        return waiters
 
     def _fire(self, trigger: str) -> bool:
         """Fire ``trigger`` if its guard holds (then the round ends)."""

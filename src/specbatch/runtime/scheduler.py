@@ -110,8 +110,9 @@ class Kernels(Protocol):
         """Prompt tokens its admission would still prefill."""
         ...
 
-    def prefill_step(self, waiting: collections.deque) -> RoundOutput:
-        """One chunk of the oldest waiter not ready (between rounds); failures in ``done``."""
+    def prefill_step(self, waiting: list) -> RoundOutput:
+        """One chunk of the oldest of ``waiting`` not ready (between rounds; the machine passes
+        the waiters within the KV budget); failures in ``done``."""
         ...
 
     def forget(self, waiting) -> None:

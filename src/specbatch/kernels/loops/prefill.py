@@ -70,8 +70,8 @@ class ChunkedPrefill:
         return 0 if partial is not None and partial.complete else len(request.prompt) - (partial.done if partial else 0)
 
     def step(self, waiting) -> RoundOutput:
-        """One chunk of the oldest waiter still prefilling; a failure aborts it (in ``done``)."""
-        self.forget(waiting)
+        """One chunk of the oldest of ``waiting`` still prefilling (the machine passes those
+        within the KV budget; it forgets cancelled ones itself); a failure aborts it."""
         request = next((r for r in waiting if not self.ready(r)), None)
         out = RoundOutput()
         if request is None:
