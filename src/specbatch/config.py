@@ -13,6 +13,7 @@ import os
 import attrs
 
 from .schedule import DraftSchedule
+from .tree_shape import TreeShape
 
 
 DEFAULT_K = 4
@@ -30,6 +31,17 @@ def _flag(*names: str, default: bool = True) -> bool:
 def _positive(inst, attr, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{attr.name} must be a positive integer, got {value!r}")
+
+
+def to_tree(value) -> TreeShape | None:
+    """None, a ``TreeShape``, ``"2,1,1"`` or ``[2, 1, 1]``; a chain shape means chains (None)."""
+    if value is None or isinstance(value, TreeShape):
+        shape = value
+    elif isinstance(value, str):
+        shape = TreeShape.parse(value) if value.strip().lower() not in ("", "chain", "none") else None
+    else:
+        shape = TreeShape(value)
+    return None if shape is None or shape.is_chain else shape
 
 
 def check_cap(value) -> int:
@@ -73,6 +85,9 @@ class EngineConfig:
     # calibrated draft length per width and temperature band (None: num_draft_tokens
     # wherever the cap and max_spec_temperature allow); num_draft_tokens caps it
     draft_schedule: DraftSchedule | None = None
+    # the token tree a lone (width-1) request drafts per round (None: a chain of
+    # num_draft_tokens); calibrated per pair; its depth is cut to the round's draft length
+    tree_shape: TreeShape | None = attrs.field(default=None, converter=to_tree)
     # the longest prompt + completion served (None: the model's context); a longer prompt
     # is refused naming both lengths, a longer budget is clamped to the room left
     max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
@@ -155,6 +170,8 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
         num_draft_tokens = max(1, schedule.max_k())
     if num_draft_tokens is None and drafter is not None:
         num_draft_tokens = lookup(target.name, drafter.name, "k")
+    if "tree_shape" not in options and drafter is not None:
+        options["tree_shape"] = lookup(target.name, drafter.name, "tree", to_tree)
     if "max_spec_temperature" not in options and drafter is not None:
         options["max_spec_temperature"] = lookup(target.name, drafter.name, "max_temperature", float)
     fields = dict(options, speculation=speculation and drafter is not None)
