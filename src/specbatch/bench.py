@@ -3,7 +3,7 @@
 The machines are shared and noisy, so every suite interleaves the systems it compares
 (round-robin within each repeat) and reports medians and their ratios, never one-off
 timings. Suites: plain, scalar, widths (here), transitions, memory (``bench_serving``), serving
-(``bench_http``), sharded (``bench_sharded``).
+(``bench_http``), sharded (``bench_sharded``), trees (``bench_tree``).
 """
 
 from __future__ import annotations
@@ -224,11 +224,11 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 
 def run_bench(args) -> int:
-    from . import bench_http, bench_memory, bench_prefix, bench_serving, bench_sharded
+    from . import bench_http, bench_memory, bench_prefix, bench_serving, bench_sharded, bench_tree
     from .config import load_pair
     suites = {"plain": suite_plain, "scalar": suite_scalar, "widths": suite_widths, **bench_serving.SUITES,
               **bench_http.SUITES, "drafters": bench_serving.suite_drafters, **bench_sharded.SUITES,
-              **bench_memory.SUITES, **bench_prefix.SUITES}
+              **bench_memory.SUITES, **bench_prefix.SUITES, **bench_tree.SUITES}
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype,
                                         speculative_width_cap=args.speculative_width_cap,
                                         num_draft_tokens=args.num_draft_tokens, drafter=args.drafter)

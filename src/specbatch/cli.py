@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _measuring_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks side by side with mlx-lm")
     b.add_argument("--suite", default="plain,scalar,widths,transitions,memory,serving,drafters,sharded",
-                   help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters, sharded")
+                   help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters, sharded, "
+                        "trees (chain vs tree drafting at width 1; not in the default list)")
     b.add_argument("--widths", default="1,2,4,8,16")
     b.add_argument("--tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
