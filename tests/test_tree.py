@@ -240,3 +240,45 @@ def test_tree_drafts_equal_chain_drafts_along_every_path(tiny, tiny_draft, mtp_h
             parent = layout.parents[node]
             row = parent - first[j]  # the parent's row among the nodes of depth j
             assert mx.allclose(seen[j + 1][row], chain[j][0], atol=1e-4, rtol=1e-4).item(), (leaf, j)
+
+
+def test_pick_tree_needs_a_win_over_plain_and_the_chain():
+    from specbatch.tree_calibration import pick_tree
+
+    def row(plain, chain, tree):
+        return {"plain": {"tok_s": plain}, "chain k=3": {"tok_s": chain}, "tree 2,1,1": {"tok_s": tree}}
+    assert pick_tree({0.0: row(10, 12, 14), 0.7: row(10, 11, 12), 1.0: row(10, 9, 9)}, 0.03) == \
+        (TreeShape([2, 1, 1]), 0.7)
+    assert pick_tree({0.0: row(10, 12, 12.1), 0.7: row(10, 11, 12)}, 0.03) == (None, None)  # within the margin
+    assert pick_tree({0.0: row(15, 12, 14)}, 0.03) == (None, None)  # plain wins
+
+
+def test_tree_depth_raises_the_width1_draft_length_and_config_reads_the_tree():
+    from specbatch.schedule import Band, DraftSchedule
+    from specbatch.tree_calibration import with_tree_depth
+    schedule = DraftSchedule([1, 4], [Band(0.0, [2, 1]), Band(0.7, [1, 0]), Band(1.0, [0, 0])])
+    raised = with_tree_depth(schedule, TreeShape([2, 1, 1]), 0.7)
+    assert [b.k for b in raised.bands] == [(3, 1), (3, 0), (0, 0)]
+    config = EngineConfig(tree_shape="2,1,1", tree_max_temperature=0.7)
+    assert config.tree_shape == TreeShape([2, 1, 1]) and EngineConfig(tree_shape="1,1").tree_shape is None
+    hot, cold = (make_request_params(t) for t in (0.9, 0.7))
+    assert config.tree_for(hot) is None and config.tree_for(cold) == TreeShape([2, 1, 1])
+
+
+def make_request_params(temperature):
+    class Req:
+        params = SamplingParams(temperature=temperature)
+    return Req()
+
+
+def test_load_pair_reads_a_calibrated_tree(tmp_path, monkeypatch, model_dir):
+    import json
+
+    from specbatch.calibration import machine_key, pair_key
+    from specbatch.config import load_pair
+    path = tmp_path / "calibration.json"
+    entry = {"k": 3, "cap": 1, "tree": "2,1,1", "tree_max_temperature": 0.0}
+    path.write_text(json.dumps({machine_key(): {pair_key(str(model_dir["llama"]), "ngram"): entry}}))
+    monkeypatch.setenv("SPECBATCH_CALIBRATION", str(path))
+    _, _, config = load_pair(str(model_dir["llama"]), drafter="ngram")
+    assert config.tree_shape == TreeShape([2, 1, 1]) and config.tree_max_temperature == 0.0

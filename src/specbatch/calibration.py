@@ -48,13 +48,14 @@ def lookup_cap(target: str, drafter: str | None) -> int | None:
     return lookup(target, drafter, "cap")
 
 
-def store(target: str, drafter: str | None, schedule: DraftSchedule, measured: dict) -> Path:
-    """Write the pair's entry: the schedule, the cap and k it implies, and the tokens/s
-    each choice was made from."""
+def store(target: str, drafter: str | None, schedule: DraftSchedule, measured: dict, extra: dict | None = None) -> Path:
+    """Write the pair's entry: the schedule, the cap and k it implies, the tokens/s each
+    choice was made from, and ``extra`` fields (the width-1 tree: ``tree``,
+    ``tree_max_temperature``, ``tree_measured``)."""
     path = calibration_file()
     table = json.loads(path.read_text()) if path.exists() else {}
     entry = {"schedule": schedule.to_json(), "cap": schedule.cap(), "k": max(1, schedule.max_k()),
-             "measured_tok_s": measured}
+             "measured_tok_s": measured, **(extra or {})}
     table.setdefault(machine_key(), {})[pair_key(target, drafter)] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1))
@@ -111,7 +112,8 @@ def run_calibrate(args) -> int:
 
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype, drafter=args.drafter,
                                         num_draft_tokens=max(int(k) for k in args.draft_lengths.split(",")),
-                                        speculative_width_cap=0, draft_schedule=None)
+                                        speculative_width_cap=0, draft_schedule=None,
+                                        tree_shape=None)  # chains: the schedule is measured on chains
     if drafter is None:
         raise ValueError("calibration needs a drafter")
     widths = [int(w) for w in args.widths.split(",")]
@@ -120,7 +122,16 @@ def run_calibrate(args) -> int:
         schedule, table = measure_schedule(ctx, code_prompts(target.tokenizer, max(widths)), args)
     finally:
         ctx.close()
-    path = store(target.name, drafter.name, schedule, table)
+    extra = {}
+    if getattr(args, "tree_shapes", ""):
+        from .tree_calibration import measure_trees, with_tree_depth
+        shape, hottest, measured = measure_trees(target, drafter, config, schedule, args)
+        extra = {"tree": None if shape is None else str(shape), "tree_max_temperature": hottest,
+                 "tree_measured": measured}
+        if shape is not None:
+            schedule = with_tree_depth(schedule, shape, hottest)
+        print(f"width-1 tree: {shape or 'chain'}" + (f" up to T={hottest}" if shape else ""))
+    path = store(target.name, drafter.name, schedule, table, extra)
     print(f"schedule {schedule.to_json()}, cap = {schedule.cap()}; written to {path} "
           f"for {machine_key()} / {pair_key(target.name, drafter.name)}")
     if schedule.max_k() == 0:

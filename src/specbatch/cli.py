@@ -189,6 +189,9 @@ def _measuring_parsers(sub) -> None:
     c.add_argument("--tokens", type=int, default=32)
     c.add_argument("--repeats", type=int, default=2)
     c.add_argument("--margin", type=float, default=0.03, help="speculation must win by this much")
+    c.add_argument("--tree-shapes", default="2,1,1;4,1;2,2,1;3,1,1;2,1;3,1",
+                   help="width-1 token trees to try against the chain ('' : chains only)")
+    c.add_argument("--tree-prompts", type=int, default=4, help="held-out chat prompts per tree measurement")
     _model_args(c)
     c.set_defaults(func=cmd_calibrate)
 

@@ -88,6 +88,8 @@ class EngineConfig:
     # the token tree a lone (width-1) request drafts per round (None: a chain of
     # num_draft_tokens); calibrated per pair; its depth is cut to the round's draft length
     tree_shape: TreeShape | None = attrs.field(default=None, converter=to_tree)
+    # requests sampled hotter than this draft chains even alone (None: any temperature)
+    tree_max_temperature: float | None = None
     # the longest prompt + completion served (None: the model's context); a longer prompt
     # is refused naming both lengths, a longer budget is clamped to the room left
     max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
@@ -104,6 +106,11 @@ class EngineConfig:
         if self.draft_schedule is None:
             return self.num_draft_tokens
         return min(self.num_draft_tokens, self.draft_schedule.draft_length(width, hottest))
+
+    def tree_for(self, request) -> TreeShape | None:
+        """The tree a lone ``request`` drafts (None: chains)."""
+        hot = self.tree_max_temperature is not None and request.params.temperature > self.tree_max_temperature
+        return None if hot else self.tree_shape
 
     def speculates_for(self, requests) -> bool:
         """``requests`` decoding together speculate: their draft length is above 0."""
@@ -172,6 +179,7 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
         num_draft_tokens = lookup(target.name, drafter.name, "k")
     if "tree_shape" not in options and drafter is not None:
         options["tree_shape"] = lookup(target.name, drafter.name, "tree", to_tree)
+        options.setdefault("tree_max_temperature", lookup(target.name, drafter.name, "tree_max_temperature", float))
     if "max_spec_temperature" not in options and drafter is not None:
         options["max_spec_temperature"] = lookup(target.name, drafter.name, "max_temperature", float)
     fields = dict(options, speculation=speculation and drafter is not None)

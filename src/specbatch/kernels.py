@@ -55,7 +55,7 @@ class LoopKernels:
     def scalar(self, request: Request, k: int) -> tuple[ScalarLoop, RoundOutput]:
         c = self.config
         loop = ScalarLoop(self.runner, self._drafter(batch=False), request, c.num_draft_tokens,
-                          c.verify, c.adaptive_k, tree=c.tree_shape)
+                          c.verify, c.adaptive_k, tree=c.tree_for(request))
         loop.limit_draft(k)
         cache, reused = self.prompt_cache.lookup(request.prompt)
         out = loop.start(cache)
