@@ -231,7 +231,8 @@ def run_bench(args) -> int:
               **bench_memory.SUITES, **bench_prefix.SUITES, **bench_tree.SUITES}
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype,
                                         speculative_width_cap=args.speculative_width_cap,
-                                        num_draft_tokens=args.num_draft_tokens, drafter=args.drafter)
+                                        num_draft_tokens=args.num_draft_tokens, drafter=args.drafter,
+                                        **({"tree_shape": args.tree_shape} if getattr(args, "tree_shape", None) else {}))
     ctx = Context(target, drafter, config, [int(w) for w in args.widths.split(",")], args.tokens, args.repeats)
     results = {"machine": machine(), "target": target.name, "drafter": getattr(drafter, "name", None),
                "k": config.num_draft_tokens, "cap": config.speculative_width_cap, "suites": {}}

@@ -20,6 +20,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-width-cap", type=int, default=None,
                    help="widest batch that still speculates (0 = uncapped)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per round (k)")
+    p.add_argument("--tree-shape", default=None,
+                   help="token tree a lone request drafts, branching per depth, e.g. 2,1,1 ('chain': chains; "
+                        "default: the calibrated shape, else chains)")
     p.add_argument("--dtype", default=None,
                    help="float32 | float16 | bfloat16 | quantized (keep a checkpoint's quantized weights) | auto "
                         "(fp32 on CPU, the checkpoint's own on a GPU)")
@@ -49,7 +52,8 @@ def _engine(args, **options):
                    num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, drafter=args.drafter,
                    **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
                    **({"kv_bits": args.kv_bits} if args.kv_bits else {}),
-                   **({"kv_layout": args.kv_layout} if args.kv_layout else {}))
+                   **({"kv_layout": args.kv_layout} if args.kv_layout else {}),
+                   **({"tree_shape": args.tree_shape} if getattr(args, "tree_shape", None) else {}))
     if not getattr(args, "distributed", False):
         return Engine.from_pretrained(args.model, args.draft_model, **options)
     from .dist import sharded_engine
