@@ -92,7 +92,11 @@ def fakes(tiny):
 def test_tree_streams_equal_plain_on_the_fake_kernel(fakes, shape, k, adaptive, drafter, temperature, top_p,
                                                      seed, length, budget, salt):
     target, drafters = fakes
-    prompt = [(salt + 7 * (i % 3)) % 500 + 3 for i in range(length)]  # repeats: prompt lookup matches
+    # repeats, so prompt lookup matches: one continuation (period 3) or several (a token
+    # that recurs before different ones: its tree branches)
+    period = [(salt + 7 * (i % 3)) % 500 + 3 for i in range(length)]
+    branching = [(salt + (7 * i if i % 2 else 0)) % 500 + 3 for i in range(length)]
+    prompt = branching if salt % 2 else period
     params = dict(max_tokens=budget, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
     got, rounds, _ = run_tree(target, drafters[drafter], prompt, shape, k, adaptive, **params)
     assert got == run_plain(target, prompt, **params)
