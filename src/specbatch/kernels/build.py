@@ -62,7 +62,7 @@ class LoopKernels:
     def scalar(self, request: Request, k: int) -> tuple[ScalarLoop, RoundOutput]:
         c = self.config
         loop = ScalarLoop(self.runner, self._drafter(batch=False), request, c.num_draft_tokens,
-                          c.verify, c.adaptive_k)
+                          c.verify, c.adaptive_k, tree=c.tree_for(request))
         loop.limit_draft(k)
         partial, reused = self.chunks.take(request), 0
         if partial is not None:  # (some of) its prompt was prefilled between rounds

@@ -57,6 +57,13 @@ class ModelRunner:
         self.hidden = self.model.model(tokens, cache=cache)  # [B, N, D]
         return self.head(self.hidden[:, -1:])[:, 0]
 
+    def forward_tree(self, tokens: mx.array, cache: list, positions: mx.array, visible: mx.array) -> mx.array:
+        """Logits ``[B, N, V]`` for a token tree ``[B, N]``: node n at RoPE position
+        ``positions[b, n]``, seeing the committed KV and the tree columns ``visible``
+        ``[N, N]`` allows (``tree_attention``); appends the nodes' KV to ``cache``."""
+        from .tree_attention import tree_call
+        return tree_call(self.forward, self.model, tokens, cache, positions, visible)
+
     def head(self, hidden: mx.array) -> mx.array:
         """The target's output head (shared with head drafters): hidden -> logits."""
         if hasattr(self.model, "lm_head"):

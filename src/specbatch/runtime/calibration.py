@@ -47,11 +47,12 @@ def lookup_cap(target: str, drafter: str | None) -> int | None:
     return lookup(target, drafter, "cap")
 
 
-def store(target: str, drafter: str | None, schedule: DraftSchedule, measured: dict) -> Path:
-    """Write the pair's entry: the schedule, the cap and k it implies, and the tokens/s
-    each choice was made from."""
+def store(target: str, drafter: str | None, schedule: DraftSchedule, measured: dict, extra: dict | None = None) -> Path:
+    """Write the pair's entry: the schedule, the cap and k it implies, the tokens/s each
+    choice was made from, and ``extra`` fields (the width-1 tree: ``tree``,
+    ``tree_max_temperature``, ``tree_measured``)."""
     entry = {"schedule": schedule.to_json(), "cap": schedule.cap(), "k": max(1, schedule.max_k()),
-             "measured_tok_s": measured}
+             "measured_tok_s": measured, **(extra or {})}
     return store_fields(target, drafter, entry, replace=True)
 
 

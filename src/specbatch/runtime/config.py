@@ -13,6 +13,7 @@ import os
 import attrs
 
 from .schedule import DraftSchedule
+from .tree_shape import TreeShape
 
 DEFAULT_K = 4
 DEFAULT_CAP = 2  # a separate drafter on a dense target, until calibration says otherwise
@@ -30,6 +31,17 @@ def _flag(*names: str, default: bool = True) -> bool:
 def _positive(inst, attr, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{attr.name} must be a positive integer, got {value!r}")
+
+
+def to_tree(value) -> TreeShape | None:
+    """None, a ``TreeShape``, ``"2,1,1"`` or ``[2, 1, 1]``; a chain shape means chains (None)."""
+    if value is None or isinstance(value, TreeShape):
+        shape = value
+    elif isinstance(value, str):
+        shape = TreeShape.parse(value) if value.strip().lower() not in ("", "chain", "none") else None
+    else:
+        shape = TreeShape(value)
+    return None if shape is None or shape.is_chain else shape
 
 
 def check_cap(value) -> int:
@@ -73,6 +85,11 @@ class EngineConfig:
     # calibrated draft length per width and temperature band (None: num_draft_tokens
     # wherever the cap and max_spec_temperature allow); num_draft_tokens caps it
     draft_schedule: DraftSchedule | None = None
+    # the token tree a lone (width-1) request drafts per round (None: a chain of
+    # num_draft_tokens); calibrated per pair; its depth is cut to the round's draft length
+    tree_shape: TreeShape | None = attrs.field(default=None, converter=to_tree)
+    # requests sampled hotter than this draft chains even alone (None: any temperature)
+    tree_max_temperature: float | None = None
     # the longest prompt + completion served (None: the model's context); a longer prompt
     # is refused naming both lengths, a longer budget is clamped to the room left
     max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
@@ -94,6 +111,11 @@ class EngineConfig:
         if self.draft_schedule is None:
             return self.num_draft_tokens
         return min(self.num_draft_tokens, self.draft_schedule.draft_length(width, hottest))
+
+    def tree_for(self, request) -> TreeShape | None:
+        """The tree a lone ``request`` drafts (None: chains)."""
+        hot = self.tree_max_temperature is not None and request.params.temperature > self.tree_max_temperature
+        return None if hot else self.tree_shape
 
     def speculates_for(self, requests) -> bool:
         """``requests`` decoding together speculate: their draft length is above 0."""
@@ -165,6 +187,9 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
         chunk = lookup(target.name, None, "prefill_chunk")
         if chunk is not None:
             options["prefill_chunk"] = chunk
+    if "tree_shape" not in options and drafter is not None:
+        options["tree_shape"] = lookup(target.name, drafter.name, "tree", to_tree)
+        options.setdefault("tree_max_temperature", lookup(target.name, drafter.name, "tree_max_temperature", float))
     if "max_spec_temperature" not in options and drafter is not None:
         options["max_spec_temperature"] = lookup(target.name, drafter.name, "max_temperature", float)
     fields = dict(options, speculation=speculation and drafter is not None)

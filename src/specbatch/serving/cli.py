@@ -20,6 +20,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-width-cap", type=int, default=None,
                    help="widest batch that still speculates (0 = uncapped)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per round (k)")
+    p.add_argument("--tree-shape", default=None,
+                   help="token tree a lone request drafts, branching per depth, e.g. 2,1,1 ('chain': chains; "
+                        "default: the calibrated shape, else chains)")
     p.add_argument("--dtype", default=None,
                    help="float32 | float16 | bfloat16 | quantized (keep a checkpoint's quantized weights) | auto "
                         "(fp32 on CPU, the checkpoint's own on a GPU)")
@@ -55,7 +58,8 @@ def _engine(args, **options):
                    **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
                    **({"kv_bits": args.kv_bits} if args.kv_bits else {}),
                    **({"kv_layout": args.kv_layout} if args.kv_layout else {}),
-                   prefill_chunk=args.prefill_chunk, chunked_prefill=args.chunked_prefill)
+                   prefill_chunk=args.prefill_chunk, chunked_prefill=args.chunked_prefill,
+                   **({"tree_shape": args.tree_shape} if getattr(args, "tree_shape", None) else {}))
     if not getattr(args, "distributed", False):
         return Engine.from_pretrained(args.model, args.draft_model, **options)
     from .dist import sharded_engine
@@ -179,7 +183,8 @@ def _measuring_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks side by side with mlx-lm")
     b.add_argument("--suite", default="plain,scalar,widths,transitions,memory,serving,drafters,sharded,long_prompts",
                    help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters, sharded, "
-                        "long_prompts, memory_layout, prefix_cache")
+                        "long_prompts, memory_layout, prefix_cache, trees (chain vs tree drafting at width 1; not in "
+                        "the default list)")
     b.add_argument("--long-prompt-tokens", type=int, default=2000, help="long_prompts: tokens per arriving prompt")
     b.add_argument("--long-arrivals", type=int, default=2, help="long_prompts: prompts arriving while streams decode")
     b.add_argument("--widths", default="1,2,4,8,16")
@@ -205,6 +210,9 @@ def _measuring_parsers(sub) -> None:
     c.add_argument("--tokens", type=int, default=32)
     c.add_argument("--repeats", type=int, default=2)
     c.add_argument("--margin", type=float, default=0.03, help="speculation must win by this much")
+    c.add_argument("--tree-shapes", default="2,1,1;4,1;2,2,1;3,1,1;2,1;3,1",
+                   help="width-1 token trees to try against the chain ('' : chains only)")
+    c.add_argument("--tree-prompts", type=int, default=4, help="held-out chat prompts per tree measurement")
     _model_args(c)
     c.set_defaults(func=cmd_calibrate)
 

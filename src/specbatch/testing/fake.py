@@ -37,6 +37,9 @@ class FakeModel:
         offset = cache[0].offset if cache else 0
         start = offset[:, None] if isinstance(offset, mx.array) else mx.full((B, 1), offset)
         pos = (start + mx.arange(N)[None]).astype(mx.float32)  # [B, N]
+        nodes = getattr(cache[0], "positions", None) if cache else None
+        if nodes is not None:  # a tree forward (tree_attention.TreeCache): per-node positions
+            pos = nodes.astype(mx.float32)
         if cache:
             zeros = mx.zeros((B, 1, N, 1))
             cache[0].update_and_fetch(zeros, zeros)

@@ -11,6 +11,7 @@ from ..runtime.calibration import machine_key, pair_key, store
 from ..runtime.schedule import Band, DraftSchedule
 from .bench.harness import Context, code_prompts, engine_tok_s
 from .calibrate_prefill import calibrate_prefill
+from .calibrate_tree import measure_trees, with_tree_depth
 
 TEMPERATURES = (0.0, 0.7, 1.0)
 DRAFT_LENGTHS = (1, 2, 3, 4, 6)
@@ -63,7 +64,8 @@ def run_calibrate(args) -> int:
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype, drafter=args.drafter,
                                         num_draft_tokens=max(int(k) for k in args.draft_lengths.split(",")),
                                         speculative_width_cap=0, draft_schedule=None,
-                                        speculation=measure != "prefill")
+                                        speculation=measure != "prefill",
+                                        tree_shape=None)  # chains: the schedule is measured on chains
     if measure != "schedule":
         calibrate_prefill(target, args)
         if measure == "prefill":
@@ -76,7 +78,15 @@ def run_calibrate(args) -> int:
         schedule, table = measure_schedule(ctx, code_prompts(target.tokenizer, max(widths)), args)
     finally:
         ctx.close()
-    path = store(target.name, drafter.name, schedule, table)
+    extra = {}
+    if getattr(args, "tree_shapes", ""):
+        shape, hottest, measured = measure_trees(target, drafter, config, schedule, args)
+        extra = {"tree": None if shape is None else str(shape), "tree_max_temperature": hottest,
+                 "tree_measured": measured}
+        if shape is not None:
+            schedule = with_tree_depth(schedule, shape, hottest)
+        print(f"width-1 tree: {shape or 'chain'}" + (f" up to T={hottest}" if shape else ""))
+    path = store(target.name, drafter.name, schedule, table, extra)
     print(f"schedule {schedule.to_json()}, cap = {schedule.cap()}; written to {path} "
           f"for {machine_key()} / {pair_key(target.name, drafter.name)}")
     if schedule.max_k() == 0:

@@ -15,6 +15,18 @@ import mlx.core as mx
 
 # Picks draft tokens [B] from draft logits [B, V] at draft step j (0-based).
 Chooser = Callable[[mx.array, int], mx.array]
+# Picks the b children [M, b] of M tree nodes from their draft logits [M, V]; the children
+# sit at depth d (1-based), the j = d - 1 of a chain's draft step (loops/tree.py).
+TopChooser = Callable[[mx.array, int, int], mx.array]
+
+
+@attrs.frozen
+class DraftTree:
+    """A drafted token tree of one row: ``tokens`` ``[N]`` (lazy; node 0 is the pending
+    token) laid out as ``layout`` (``tree_shape.TreeLayout``)."""
+
+    tokens: mx.array  # [N]
+    layout: object
 
 
 @attrs.frozen
@@ -66,3 +78,19 @@ class Drafter(Protocol):
         ...
 
     def nbytes(self) -> int: ...
+
+
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that can propose a token tree for a single row (the scalar loop).
+
+    The invariant of ``Drafter`` holds around a tree round too: ``draft_tree`` feeds
+    ``[prev, pending]`` and the nodes it needs; ``commit_tree`` keeps ``prev``, ``pending``
+    and the accepted path but its last node, in sequence order, and forgets the rest."""
+
+    def draft_tree(self, prev: mx.array, pending: mx.array, shape, choose: TopChooser,
+                   context: list | None = None) -> DraftTree: ...
+
+    def commit_tree(self, path: list[int], hidden: mx.array | None = None) -> None:
+        """Keep the accepted ``path`` (node ids, depths 1 .. a); ``hidden`` ``[1, D]``: the
+        target state that predicted the new pending token (head drafters)."""
+        ...

@@ -14,7 +14,8 @@ from mlx_lm.models.cache import KVCache
 from ..kv import BatchKV
 from ..paged_kv import batch_kv
 from ..runner import PREFILL_CHUNK
-from .base import Capture, Chooser
+from ..tree_attention import compact, tree_call
+from .base import Capture, Chooser, DraftTree
 
 
 class ModelDrafter:
@@ -53,6 +54,32 @@ class ModelDrafter:
             if j + 1 < k:
                 feed = token[:, None]
         return mx.stack(tokens, axis=1), mx.stack(logits, axis=1)  # [B, k], [B, k, V]
+
+    def draft_tree(self, prev, pending, shape, choose, context=None) -> DraftTree:
+        """Level by level: the nodes of depth ``d - 1`` go through the model in one tree
+        forward (each sees the history and its own ancestors) and each takes its top
+        ``b_d`` tokens as children. Single-sequence cache only (the scalar loop's)."""
+        cache, layout = self._single, shape.layout()
+        self._root = cache[0].offset + 1  # pending's column (and RoPE position)
+        logits = self.model(mx.stack([prev, pending], axis=1), cache=cache)[:, -1, :]  # [1, V]
+        seen = mx.array(layout.ancestry())[1:, 1:]  # [N-1, N-1] among non-root nodes
+        levels, first = [choose(logits, 1, shape.branching[0]).reshape(-1)], 1
+        for d, b in enumerate(shape.branching[1:], 2):
+            frontier = levels[-1]  # [M] nodes of depth d - 1, ids first .. first + M - 1
+            M = frontier.shape[0]
+            visible = seen[first - 1:first - 1 + M, :first - 1 + M]  # [M, fed + M]
+            positions = mx.full((1, M), self._root + d - 1, dtype=mx.int32)
+            logits = tree_call(self.model, self.model, frontier[None], cache, positions, visible)[0]  # [M, V]
+            levels.append(choose(logits, d, b).reshape(-1))
+            first += M
+        return DraftTree(mx.concatenate([pending, *levels]).astype(mx.int32), layout)
+
+    def commit_tree(self, path: list[int], hidden=None) -> None:
+        if not path:
+            for c in self._single:
+                c.offset = self._root  # drop pending: it becomes prev
+            return
+        compact(self._single, self._root, path[:-1])
 
     def rollback(self, counts: list[int], hidden=None) -> None:
         if self.batch:

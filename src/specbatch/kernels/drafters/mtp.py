@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from ..kv import RaggedKVCache
-from .base import Capture, Chooser
+from .base import Capture, Chooser, DraftTree
 
 HEAD_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
              "rope_theta", "rope_scaling", "rope_traditional", "max_position_embeddings")
@@ -156,6 +156,29 @@ class MTPDrafter:
             tokens.append(token)
             logits.append(step_logits)
         return mx.stack(tokens, axis=1), mx.stack(logits, axis=1)
+
+    def draft_tree(self, prev, pending, shape, choose, context=None) -> DraftTree:
+        """Level by level, the frontier's nodes as rows: each row carries its parent's
+        output state and sees the target's KV plus its ancestors' head keys."""
+        ctx = context_kv(context[-1])
+        base = ctx[3][0]  # the pending token's position (one row)
+        h, token, own_k, own_v, levels = self.hidden, pending, [], [], []
+        for d, b in enumerate(shape.branching, 1):
+            M = token.shape[0]  # frontier rows (nodes of depth d - 1)
+            ck, cv, cm = (mx.broadcast_to(a, (M, *a.shape[1:])) for a in ctx[:3])
+            h, kj, vj = self.head.step(h, self.runner.embed(token), mx.full((M,), base + d - 1),
+                                       ck, cv, cm, own_k, own_v)  # h [M, D], kj [M, Hkv, 1, d]
+            token = choose(self.logits(h), d, b).reshape(-1)  # [M * b] children
+            levels.append(token)
+            parent = mx.repeat(mx.arange(M), b)  # [M * b]: each child's row
+            h = h[parent]
+            own_k = [k[parent] for k in [*own_k, kj]]
+            own_v = [v[parent] for v in [*own_v, vj]]
+        return DraftTree(mx.concatenate([pending, *levels]).astype(mx.int32), shape.layout())
+
+    def commit_tree(self, path: list[int], hidden: mx.array | None = None) -> None:
+        if hidden is not None:
+            self.hidden = hidden
 
     def rollback(self, counts: list[int], hidden: mx.array | None = None) -> None:
         if hidden is not None:

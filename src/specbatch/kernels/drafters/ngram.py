@@ -15,7 +15,8 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from .base import Capture, Chooser
+from ...runtime.tree_shape import TreeLayout
+from .base import Capture, Chooser, DraftTree
 
 
 @attrs.frozen
@@ -41,12 +42,53 @@ def propose(seq: np.ndarray, k: int, max_n: int, min_n: int) -> list[int]:
     return [int(seq[-1])] * k
 
 
+def continuations(seq: np.ndarray, k: int, max_n: int, min_n: int) -> list[list[int]]:
+    """What followed each earlier match of ``seq``'s longest matching suffix, the latest
+    first, each padded to ``k`` with the last token (as ``propose`` pads its one)."""
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # [len-n, n]
+        hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
+        if hits.size:
+            got = [seq[h + n:h + n + k].tolist() for h in hits[::-1]]
+            return [g + [int(seq[-1])] * (k - len(g)) for g in got]
+    return [[int(seq[-1])] * k]
+
+
+def propose_tree(seq: np.ndarray, branching, max_n: int, min_n: int) -> tuple[list[int], list[int]]:
+    """A trie of the distinct continuations (latest first), at most ``branching[d]``
+    children per node at depth ``d``: (tokens, parents) breadth first, node 0 =
+    ``seq[-1]``. With one continuation (or a chain shape) it is ``propose``'s chain."""
+    tokens, parents, kids = [int(seq[-1])], [-1], [{}]
+    for cont in continuations(seq, len(branching), max_n, min_n):
+        node = 0
+        for d, token in enumerate(cont):
+            if token not in kids[node]:
+                if len(kids[node]) >= branching[d]:
+                    break
+                kids[node][token] = len(tokens)
+                tokens.append(token)
+                parents.append(node)
+                kids.append({})
+            node = kids[node][token]
+    order = sorted(range(len(tokens)), key=lambda n: (_depth(parents, n), n))  # breadth first
+    where = {old: new for new, old in enumerate(order)}
+    return [tokens[n] for n in order], [-1 if parents[n] < 0 else where[parents[n]] for n in order]
+
+
+def _depth(parents: list[int], n: int) -> int:
+    d = 0
+    while parents[n] >= 0:
+        n, d = parents[n], d + 1
+    return d
+
+
 class NGramDrafter:
     """A Drafter over each row's own tokens; its state is the tokens it was fed."""
 
     def __init__(self, source: NGramSource):
         self.source = source
         self._fed: list[list[int]] = []  # per row: the sequence minus its last two tokens
+        self._last_tree: list[int] = []  # the latest tree's tokens (host), for commit_tree
 
     @property
     def width(self) -> int:
@@ -61,6 +103,22 @@ class NGramDrafter:
         tokens = mx.array(rows, dtype=mx.int32)  # [B, k]
         logits = mx.where(mx.arange(self.source.vocab_size) == tokens[..., None], 0.0, -1e9)  # [B, k, V]
         return tokens, logits
+
+    def draft_tree(self, prev, pending, shape, choose, context=None) -> DraftTree:
+        """Distinct continuations of the suffix's earlier matches, merged into a trie
+        within ``shape`` (a chain where the history has one)."""
+        [fed] = self._fed
+        fed += [int(prev.item()), int(pending.item())]
+        tokens, parents = propose_tree(np.asarray(fed), shape.branching, self.source.max_n, self.source.min_n)
+        self._last_tree = tokens
+        return DraftTree(mx.array(tokens, dtype=mx.int32), TreeLayout.of_parents(parents))
+
+    def commit_tree(self, path: list[int], hidden=None) -> None:
+        [fed] = self._fed
+        if not path:
+            fed.pop()  # the pending token: it becomes prev, with the bonus pending
+            return
+        fed += [self._last_tree[n] for n in path[:-1]]
 
     def rollback(self, counts: list[int], hidden=None) -> None:
         for fed, c in zip(self._fed, counts):

@@ -19,6 +19,7 @@ from ...runtime.request import Request
 from ..logprobs import sample_read
 from ..runner import TargetRunner, prefill
 from ..sampling import RowSampling, positions_from
+from .tree import tree_capable, tree_round
 from .verify import RoundResult, bonus_hidden, last_hidden, next_k, spec_round
 
 
@@ -45,9 +46,10 @@ class ScalarLoop:
     """One request; speculative rounds with coupled drafting (or plain without a drafter)."""
 
     def __init__(self, target: TargetRunner, drafter, request: Request, k: int, verify: str = "coupled",
-                 adaptive: bool = False):
+                 adaptive: bool = False, tree=None):
         self.target, self.drafter, self.request = target, drafter, request
         self.k, self.verify = k, verify
+        self.tree = tree  # a TreeShape with branching (None or a chain: chain rounds)
         self.adaptive, self.k_now = adaptive, k  # k_now: this round's draft length
         self.cache = target.make_cache()
         self._buffer: collections.deque[tuple] = collections.deque()  # (token, TokenLogprob | None)
@@ -108,18 +110,30 @@ class ScalarLoop:
         if self.drafter is None or k < 1:
             self._plain()
             return
-        result = spec_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
-                            [self.request.emitted], k, self.verify, coupled=True)
-        a = result.accepted[0]
+        if self._tree_at(k):
+            result = tree_round(self.target, self.cache, self.drafter, self.pending, self.prev, self._rows,
+                                self.request.emitted, self.tree.cut(k))
+        else:
+            result = spec_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
+                                [self.request.emitted], k, self.verify, coupled=True)
+            a = result.accepted[0]
+            for c in self.cache:
+                c.trim(k - a)
+            self.drafter.rollback([k - a], hidden=bonus_hidden(self.target, result.accepted))
         if self.adaptive:
             self.k_now = next_k(self.k_now, self.k, result)
-        for c in self.cache:
-            c.trim(k - a)
-        self.drafter.rollback([k - a], hidden=bonus_hidden(self.target, result.accepted))
         run = result.emitted[0]
         self.prev, self.pending = (run[-2] if len(run) > 1 else self.pending), run[-1]
         self._buffer.extend(zip(run, result.row_logprobs(0)))
         self.last_round = result
+
+    def _tree_at(self, k: int) -> bool:
+        """This round drafts a tree: a branching shape (cut to ``k`` levels), a drafter and
+        target that can, and coupled verification (rejection sampling stays on chains)."""
+        if self.tree is None or self.tree.cut(k).is_chain:
+            return False
+        coupled = self.verify == "coupled" or self._rows.all_greedy
+        return coupled and tree_capable(self.target, self.drafter)
 
     def _plain(self) -> None:
         logits = self.target.forward(mx.array([[self.pending]], dtype=mx.int32), self.cache)

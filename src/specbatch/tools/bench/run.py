@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 from ...runtime.config import load_pair
-from . import basic, http, long, memory, prefix, serving, sharded
+from . import basic, http, long, memory, prefix, serving, sharded, tree
 from .harness import Context
 
 SUITES = {"plain": basic.suite_plain, "scalar": basic.suite_scalar, "widths": basic.suite_widths,
           **serving.SUITES, **http.SUITES, "drafters": serving.suite_drafters, **sharded.SUITES,
-          **memory.SUITES, **prefix.SUITES, **long.SUITES}
+          **memory.SUITES, **prefix.SUITES, **long.SUITES, **tree.SUITES}
 
 
 def machine() -> dict:
@@ -40,7 +40,8 @@ def run_bench(args) -> int:
                                         speculative_width_cap=args.speculative_width_cap,
                                         num_draft_tokens=args.num_draft_tokens, drafter=args.drafter,
                                         prefill_chunk=getattr(args, "prefill_chunk", None),
-                                        chunked_prefill=getattr(args, "chunked_prefill", True))
+                                        chunked_prefill=getattr(args, "chunked_prefill", True),
+                                        **({"tree_shape": args.tree_shape} if getattr(args, "tree_shape", None) else {}))
     ctx = Context(target, drafter, config, [int(w) for w in args.widths.split(",")], args.tokens, args.repeats)
     ctx.long_prompt_tokens, ctx.long_arrivals = args.long_prompt_tokens, args.long_arrivals
     results = {"machine": machine(), "target": target.name, "drafter": getattr(drafter, "name", None),
