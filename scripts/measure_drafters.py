@@ -60,7 +60,8 @@ def mtp_ok(target, head_dir: Path, feats, n_keep: int | None):
     head = load_head(head_dir, target.model.args)
     ids = np.array(head.vocab_ids)
     if n_keep is not None and n_keep < len(ids):
-        order = np.load(dc.BUILD / "mtp" / "vocab_order.npy")
+        order_path = mtp_dir.parent / "vocab_order.npy"  # the training run's own frequency order
+        order = np.load(order_path if order_path.exists() else dc.BUILD / "mtp" / "vocab_order.npy")
         ids = np.sort(order[:n_keep])
     E = target.model.model.embed_tokens.weight
     W = E[mx.array(ids)]
@@ -127,7 +128,8 @@ def step_times(target, head_dir: Path | None, draft, n_keeps=(4096, 8192)) -> di
     if head_dir is not None:
         head = load_head(head_dir, target.model.args)
         full_ids = head.vocab_ids
-        order = np.load(dc.BUILD / "mtp" / "vocab_order.npy")
+        order_path = mtp_dir.parent / "vocab_order.npy"  # the training run's own frequency order
+        order = np.load(order_path if order_path.exists() else dc.BUILD / "mtp" / "vocab_order.npy")
         for n in list(n_keeps) + [None]:
             if n is None:
                 del head["vocab_ids"]
@@ -178,7 +180,8 @@ def install(res: dict, mtp_dir: Path | None, draft_dir: Path | None, target) -> 
         for old in (DEMO_DIR / "mtp", DEMO_DIR / "mtp-candidate"):
             shutil.rmtree(old, ignore_errors=True)
         head = load_head(mtp_dir, target.model.args)
-        order = np.load(dc.BUILD / "mtp" / "vocab_order.npy")
+        order_path = mtp_dir.parent / "vocab_order.npy"  # the training run's own frequency order
+        order = np.load(order_path if order_path.exists() else dc.BUILD / "mtp" / "vocab_order.npy")
         head.vocab_ids = mx.array(np.sort(order[:n]).astype(np.int32))
         head.config["draft_vocab"] = n
         save_head(head, out)
