@@ -60,7 +60,7 @@ def mtp_ok(target, head_dir: Path, feats, n_keep: int | None):
     head = load_head(head_dir, target.model.args)
     ids = np.array(head.vocab_ids)
     if n_keep is not None and n_keep < len(ids):
-        order_path = mtp_dir.parent / "vocab_order.npy"  # the training run's own frequency order
+        order_path = head_dir.parent / "vocab_order.npy"  # the training run's own frequency order
         order = np.load(order_path if order_path.exists() else dc.BUILD / "mtp" / "vocab_order.npy")
         ids = np.sort(order[:n_keep])
     E = target.model.model.embed_tokens.weight
@@ -128,7 +128,7 @@ def step_times(target, head_dir: Path | None, draft, n_keeps=(4096, 8192)) -> di
     if head_dir is not None:
         head = load_head(head_dir, target.model.args)
         full_ids = head.vocab_ids
-        order_path = mtp_dir.parent / "vocab_order.npy"  # the training run's own frequency order
+        order_path = head_dir.parent / "vocab_order.npy"  # the training run's own frequency order
         order = np.load(order_path if order_path.exists() else dc.BUILD / "mtp" / "vocab_order.npy")
         for n in list(n_keeps) + [None]:
             if n is None:
