@@ -31,16 +31,22 @@ def run_plain(target, prompt, chunk: int | None = None, **params) -> list[int]:
 
 
 def run_scalar(target, drafter, prompt, k=4, verify="coupled", **params):
+    tokens, rounds, _ = drive_scalar(target, drafter, prompt, k, verify=verify, **params)
+    return tokens, rounds
+
+
+def drive_scalar(target, drafter, prompt, k=4, verify="coupled", adaptive=False, tree=None, **params):
+    """A scalar loop run to the end: the request's tokens, each verify round, the loop."""
     request = make_request(target, prompt, **params)
     runner = ModelRunner(target.model)
-    loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request, k, verify)
+    loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request, k, verify, adaptive=adaptive, tree=tree)
     loop.start()
     rounds = []
     while not loop.finished:
         out = loop.step()
         if out.verify:
             rounds.append(out.verify)
-    return request.tokens, rounds
+    return request.tokens, rounds, loop
 
 
 def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, params=None, together=False):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import drive, make_request, run_plain
+from helpers import drive, drive_scalar, make_request, run_plain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,17 +63,7 @@ def test_prompt_lookup_tree_is_a_trie_over_the_chain(seq, shape):
 
 
 def run_tree(target, drafter_source, prompt, shape, k=4, adaptive=False, **params):
-    request = make_request(target, prompt, **params)
-    runner = ModelRunner(target.model)
-    loop = ScalarLoop(runner, make_drafter(drafter_source, runner, False), request, k, adaptive=adaptive,
-                      tree=shape)
-    loop.start()
-    rounds = []
-    while not loop.finished:
-        out = loop.step()
-        if out.verify:
-            rounds.append(out.verify)
-    return request.tokens, rounds, loop
+    return drive_scalar(target, drafter_source, prompt, k, adaptive=adaptive, tree=shape, **params)
 
 
 @pytest.fixture(scope="module")
