@@ -7,6 +7,11 @@ Writes to build/drafters/data/ (resumable: a chunk already saved is skipped):
 - gen_NNNN.json: the target's own greedy answers (mlx-lm batch_generate, temperature 0)
   to prompts built here from templates x topics: chat questions (ChatML template) and
   raw Python completion prompts. scripts/heldout_prompts.json is never trained on.
+- magpie.json + gen_mNNNN.json: user questions the target writes itself (Magpie: sample
+  the user turn after the chat template's pre-query prefix at temperature 1), filtered,
+  then answered greedily like the templated ones. Templates x topics cover few shapes of
+  question; these cover the target's own spread of them. Chunks alternate templated and
+  self-written so a time box keeps both.
 
     python -m specbatch.blas scripts/drafter_data.py --minutes 14
 """
@@ -225,20 +230,65 @@ def make_text(tokenizer, seed: int, seq: int, max_tokens: int) -> None:
     print(f"text: {len(seqs)} sequences x {seq} tokens ({sum(sources)} from docs)")
 
 
-def make_generations(target, items, chunk: int, max_tokens: int, deadline: float) -> None:
+def make_magpie(target, n: int, seed: int, deadline: float, max_tokens: int = 72) -> list[dict]:
+    """Questions the target writes itself after its chat template's pre-query prefix."""
+    path = OUT / "magpie.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    import mlx.core as mx
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.sample_utils import make_sampler
+    tok = target.tokenizer
+    marker = "XQZMARK"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False)
+    prefix = tok.encode(text[:text.index(marker)], add_special_tokens=False)
+    held = json.loads(HELDOUT.read_text())
+    seen = {p.strip().lower() for p in held["chat"] + held["code"]}
+    mx.random.seed(seed)
+    sampler = make_sampler(temp=1.0, top_p=0.95)
+    out: list[dict] = []
+    bar = tqdm(total=n, desc="self-written questions")
+    while len(out) < n and time.time() < deadline:
+        res = batch_generate(target.model, tok, [prefix] * 32, max_tokens=max_tokens,
+                             return_token_ids=True, sampler=sampler)
+        for ids in res.token_ids:
+            ids = [int(t) for t in ids]
+            if not 4 <= len(ids) < max_tokens:  # the stop token is not returned: full length = cut off
+                continue
+            q = tok.decode(ids).strip()
+            if len(q) < 12 or q.lower() in seen or "<|im_" in q:
+                continue
+            seen.add(q.lower())
+            out.append({"kind": "chat", "prompt": q, "source": "magpie"})
+            bar.update(1)
+    bar.close()
+    path.write_text(json.dumps(out, indent=0))
+    print(f"{len(out)} self-written questions")
+    return out
+
+
+def generation_plan(items: list[dict], magpie: list[dict], chunk: int) -> list[tuple[Path, list[dict]]]:
+    """(output file, prompts) per chunk, templated and self-written chunks alternating."""
+    plain = [(OUT / f"gen_{c:04d}.json", items[c * chunk:(c + 1) * chunk]) for c in range(0, (len(items) + chunk - 1) // chunk)]
+    mag = [(OUT / f"gen_m{c:04d}.json", magpie[c * chunk:(c + 1) * chunk]) for c in range(0, (len(magpie) + chunk - 1) // chunk)]
+    todo_plain = [pc for pc in plain if not pc[0].exists()]
+    order = [pc for pc in plain if pc[0].exists()]
+    for i in range(max(len(todo_plain), len(mag))):
+        order += todo_plain[i:i + 1] + mag[i:i + 1]
+    return order
+
+
+def make_generations(target, plan: list[tuple[Path, list[dict]]], max_tokens: int, deadline: float) -> None:
     from mlx_lm.generate import batch_generate
     tok = target.tokenizer
-    n_chunks = (len(items) + chunk - 1) // chunk
-    done = sum((OUT / f"gen_{c:04d}.json").exists() for c in range(n_chunks))
-    bar = tqdm(total=n_chunks, initial=done, desc="generation chunks")
-    for c in range(n_chunks):
-        path = OUT / f"gen_{c:04d}.json"
+    done = sum(path.exists() for path, _ in plan)
+    bar = tqdm(total=len(plan), initial=done, desc="generation chunks")
+    for path, part in plan:
         if path.exists():
             continue
         if time.time() > deadline:
             print("time box reached: stopping generation")
             break
-        part = items[c * chunk:(c + 1) * chunk]
         prompts = [encode_prompt(tok, it) for it in part]
         t0 = time.time()
         res = batch_generate(target.model, tok, prompts, max_tokens=max_tokens, return_token_ids=True)
@@ -257,6 +307,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512, help="teacher-forcing sequence length")
     ap.add_argument("--text-tokens", type=int, default=1_500_000, help="text tokens to keep")
     ap.add_argument("--chunk", type=int, default=24, help="prompts per batch_generate call")
+    ap.add_argument("--magpie", type=int, default=640, help="self-written questions to answer")
+    ap.add_argument("--magpie-minutes", type=float, default=6.0, help="time box for writing them")
     ap.add_argument("--max-tokens", type=int, default=224, help="answer length cap")
     args = ap.parse_args()
     deadline = time.time() + args.minutes * 60
@@ -267,7 +319,8 @@ def main() -> None:
     (OUT / "prompts.json").write_text(json.dumps(items, indent=0))
     print(f"{len(items)} training prompts ({sum(i['kind'] == 'code' for i in items)} code)")
     make_text(target.tokenizer, args.seed, args.seq, args.text_tokens)
-    make_generations(target, items, args.chunk, args.max_tokens, deadline)
+    magpie = make_magpie(target, args.magpie, args.seed, time.time() + args.magpie_minutes * 60)
+    make_generations(target, generation_plan(items, magpie, args.chunk), args.max_tokens, deadline)
 
 
 if __name__ == "__main__":

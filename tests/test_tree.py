@@ -20,7 +20,9 @@ from specbatch.kernels.models import LoadedModel
 from specbatch.kernels.runner import ModelRunner
 from specbatch.runtime.tree_shape import TreeLayout, TreeShape, walk
 
-SHAPES = st.lists(st.integers(1, 3), min_size=1, max_size=4).map(TreeShape)
+# dynamic bounds too: drafters other than the MTP head draft the bound
+SHAPES = st.builds(TreeShape, st.lists(st.integers(1, 3), min_size=1, max_size=4),
+                   st.sampled_from([None, None, 0.05, 0.3]))
 
 
 def test_shape_layout_and_counts():

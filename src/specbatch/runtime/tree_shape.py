@@ -7,7 +7,12 @@ Vocabulary (extends ``loops/verify.py``'s):
   row's pending token (depth 0); ``parents[n]`` is node ``n``'s parent (-1 for the root);
 - *path*: the accepted nodes ``p_1 .. p_a`` (depths 1 .. a), found by the *walk*: from
   the root, step to the child whose token equals the target's own sample at the current
-  node, while one does; the round emits the target's samples at ``root, p_1 .. p_a``.
+  node, while one does; the round emits the target's samples at ``root, p_1 .. p_a``;
+- *dynamic* shape ``[b_1, .., b_k]@s``: the static shape is a bound; a drafter that can
+  (the MTP head) keeps a node only when its *path score*, the product of the drafted
+  probabilities from the root to it, is at least ``s`` (EAGLE-2's expansion by drafted
+  probability: the head's probabilities track acceptance, so ``s`` is the acceptance a
+  node must promise to be worth its verify column). Other drafters draft the bound.
 
 No MLX here: the engine's config and the machine read shapes without loading arrays.
 """
@@ -22,11 +27,18 @@ def _branching(inst, attr, value) -> None:
         raise ValueError(f"a tree shape is one or more branchings >= 1, got {list(value)!r}")
 
 
+def _score(inst, attr, value) -> None:
+    if value is not None and not 0.0 < value <= 1.0:
+        raise ValueError(f"a tree's minimum path score is in (0, 1], got {value!r}")
+
+
 @attrs.frozen
 class TreeShape:
-    """Branching per depth; ``TreeShape.chain(k)`` is the chain of ``k`` drafts."""
+    """Branching per depth; ``TreeShape.chain(k)`` is the chain of ``k`` drafts;
+    ``min_score`` set: a dynamic tree bounded by the branching."""
 
     branching: tuple[int, ...] = attrs.field(converter=tuple, validator=_branching)
+    min_score: float | None = attrs.field(default=None, validator=_score)
 
     @classmethod
     def chain(cls, k: int) -> "TreeShape":
@@ -34,20 +46,27 @@ class TreeShape:
 
     @classmethod
     def parse(cls, text: str) -> "TreeShape":
-        """``"2,1,1"`` (or ``"[2, 1, 1]"``) to a shape."""
-        return cls(int(part) for part in text.strip("[] ").split(",") if part.strip())
+        """``"2,1,1"`` (or ``"[2, 1, 1]"``) to a shape; ``"2,2,1@0.1"`` a dynamic one."""
+        bound, _, score = text.partition("@")
+        branching = [int(part) for part in bound.strip("[] ").split(",") if part.strip()]
+        return cls(branching, float(score) if score.strip() else None)
 
     @property
     def depth(self) -> int:
         return len(self.branching)
 
     @property
+    def dynamic(self) -> bool:
+        return self.min_score is not None
+
+    @property
     def is_chain(self) -> bool:
-        return all(b == 1 for b in self.branching)
+        """A plain chain of drafts (a dynamic chain stops early: it is a tree round)."""
+        return all(b == 1 for b in self.branching) and not self.dynamic
 
     @property
     def nodes(self) -> int:
-        """Nodes including the root: what one verify forward scores."""
+        """Nodes including the root: what one verify forward scores (a dynamic tree's bound)."""
         total, width = 1, 1
         for b in self.branching:
             width *= b
@@ -56,7 +75,7 @@ class TreeShape:
 
     def cut(self, depth: int) -> "TreeShape":
         """The first ``depth`` levels (at least one)."""
-        return TreeShape(self.branching[:max(1, depth)])
+        return TreeShape(self.branching[:max(1, depth)], self.min_score)
 
     def layout(self) -> "TreeLayout":
         parents, depths, frontier = [-1], [0], [0]
@@ -71,7 +90,8 @@ class TreeShape:
         return TreeLayout(tuple(parents), tuple(depths))
 
     def __str__(self) -> str:
-        return ",".join(map(str, self.branching))
+        bound = ",".join(map(str, self.branching))
+        return bound if self.min_score is None else f"{bound}@{self.min_score:g}"
 
 
 @attrs.frozen

@@ -21,8 +21,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="widest batch that still speculates (0 = uncapped)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="tokens drafted per round (k)")
     p.add_argument("--tree-shape", default=None,
-                   help="token tree a lone request drafts, branching per depth, e.g. 2,1,1 ('chain': chains; "
-                        "default: the calibrated shape, else chains)")
+                   help="token tree a lone request drafts, branching per depth, e.g. 2,1,1, or a dynamic "
+                        "one bounded by it, e.g. 3,2,1@0.1 ('chain': chains; default: the calibrated shape, else chains)")
     p.add_argument("--dtype", default=None,
                    help="float32 | float16 | bfloat16 | quantized (keep a checkpoint's quantized weights) | auto "
                         "(fp32 on CPU, the checkpoint's own on a GPU)")
@@ -210,8 +210,10 @@ def _measuring_parsers(sub) -> None:
     c.add_argument("--tokens", type=int, default=32)
     c.add_argument("--repeats", type=int, default=2)
     c.add_argument("--margin", type=float, default=0.03, help="speculation must win by this much")
-    c.add_argument("--tree-shapes", default="2,1,1;4,1;2,2,1;3,1,1;2,1;3,1",
-                   help="width-1 token trees to try against the chain ('' : chains only)")
+    from ..tools.calibrate_tree import CANDIDATES
+    c.add_argument("--tree-shapes", default=CANDIDATES,
+                   help="width-1 token trees to try against the chain, ';'-separated; b1,b2,..@s is a "
+                        "dynamic tree (the MTP head keeps nodes whose path score reaches s) ('' : chains only)")
     c.add_argument("--tree-prompts", type=int, default=4, help="held-out chat prompts per tree measurement")
     _model_args(c)
     c.set_defaults(func=cmd_calibrate)

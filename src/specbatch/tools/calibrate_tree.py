@@ -15,14 +15,16 @@ import attrs
 from ..runtime.schedule import Band, DraftSchedule
 from ..runtime.tree_shape import TreeShape
 
-CANDIDATES = "2,1,1;4,1;2,2,1;3,1,1;2,1;3,1"
+# static trees, and dynamic ones (``@s``: nodes whose drafted path score reaches s, within the bound)
+CANDIDATES = "2,1;4,1;2,1,1;3,2,1@0.08;3,2,1@0.15;2,2,2@0.1;2,1,1,1@0.2"
 TEMPERATURES = (0.0, 0.7)
 
 
-def candidates(text: str) -> list[TreeShape]:
-    """``"2,1,1;4,1"`` to shapes (chains dropped: the schedule measures those)."""
+def candidates(text: str, dynamic: bool = True) -> list[TreeShape]:
+    """``"2,1,1;4,1"`` to shapes (chains dropped: the schedule measures those; dynamic
+    shapes dropped unless the drafter prunes them, else it would draft the whole bound)."""
     shapes = [TreeShape.parse(part) for part in text.split(";") if part.strip()]
-    return [s for s in shapes if not s.is_chain]
+    return [s for s in shapes if not s.is_chain and (dynamic or not s.dynamic)]
 
 
 def pick_tree(results: dict, margin: float) -> tuple[TreeShape | None, float | None]:
@@ -65,7 +67,8 @@ def measure_trees(target, drafter, config, schedule: DraftSchedule, args) -> tup
     """Measure plain, the schedule's width-1 chain and each candidate tree at width 1."""
     from .bench.tree import chat_prompts, systems, width1_runs
     k = schedule.draft_length(1, 0.0) or max(int(k) for k in args.draft_lengths.split(","))
-    engines = systems(target, drafter, config, k, candidates(args.tree_shapes))
+    from ..kernels.drafters.mtp import MTPHead
+    engines = systems(target, drafter, config, k, candidates(args.tree_shapes, isinstance(drafter, MTPHead)))
     prompts = chat_prompts(target.tokenizer, args.tree_prompts)
     results, table = {}, {}
     try:

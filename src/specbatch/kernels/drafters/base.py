@@ -88,7 +88,10 @@ class TreeDrafter(Drafter, Protocol):
     and the accepted path but its last node, in sequence order, and forgets the rest."""
 
     def draft_tree(self, prev: mx.array, pending: mx.array, shape, choose: TopChooser,
-                   context: list | None = None) -> DraftTree: ...
+                   context: list | None = None) -> DraftTree:
+        """A tree within ``shape`` (a ``TreeShape``); a dynamic shape's nodes may be pruned
+        by drafted probability (the MTP head does) or drafted whole as a static bound."""
+        ...
 
     def commit_tree(self, path: list[int], hidden: mx.array | None = None) -> None:
         """Keep the accepted ``path`` (node ids, depths 1 .. a); ``hidden`` ``[1, D]``: the

@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
+from ...runtime.tree_shape import TreeLayout
 from ..kv import RaggedKVCache
 from .base import Capture, Chooser, DraftTree
 
@@ -160,6 +161,8 @@ class MTPDrafter:
     def draft_tree(self, prev, pending, shape, choose, context=None) -> DraftTree:
         """Level by level, the frontier's nodes as rows: each row carries its parent's
         output state and sees the target's KV plus its ancestors' head keys."""
+        if shape.dynamic:
+            return self._draft_dynamic(pending, shape, choose, context)
         ctx = context_kv(context[-1])
         base = ctx[3][0]  # the pending token's position (one row)
         h, token, own_k, own_v, levels = self.hidden, pending, [], [], []
@@ -175,6 +178,37 @@ class MTPDrafter:
             own_k = [k[parent] for k in [*own_k, kj]]
             own_v = [v[parent] for v in [*own_v, vj]]
         return DraftTree(mx.concatenate([pending, *levels]).astype(mx.int32), shape.layout())
+
+    def _draft_dynamic(self, pending, shape, choose, context) -> DraftTree:
+        """The static draft, keeping only children whose path score (product of drafted
+        probabilities from the root) reaches ``shape.min_score``; a kept node's row goes
+        on to the next depth. One host read per depth: the pruning decides the next rows."""
+        ctx = context_kv(context[-1])
+        base = ctx[3][0]
+        h, token, own_k, own_v = self.hidden, pending, [], []
+        tokens, parents = [int(pending[0].item())], [-1]
+        frontier, scores = [0], [1.0]  # node ids and path scores of the rows in h
+        for d, b in enumerate(shape.branching, 1):
+            M = token.shape[0]
+            ck, cv, cm = (mx.broadcast_to(a, (M, *a.shape[1:])) for a in ctx[:3])
+            h, kj, vj = self.head.step(h, self.runner.embed(token), mx.full((M,), base + d - 1),
+                                       ck, cv, cm, own_k, own_v)  # h [M, D]
+            logits = self.logits(h)  # [M, V]
+            kids = choose(logits, d, b)  # [M, b], best first
+            probs = mx.take_along_axis(mx.softmax(logits, axis=-1), kids, axis=-1)  # [M, b]
+            kids_h, probs_h = kids.tolist(), probs.tolist()
+            kept = [(m, j) for m in range(M) for j in range(b) if scores[m] * probs_h[m][j] >= shape.min_score]
+            if not kept:
+                break
+            rows = mx.array([m for m, _ in kept])  # [M'] each kept child's parent row
+            parents += [frontier[m] for m, _ in kept]
+            tokens += [kids_h[m][j] for m, j in kept]
+            scores = [scores[m] * probs_h[m][j] for m, j in kept]
+            frontier = list(range(len(tokens) - len(kept), len(tokens)))
+            token = mx.array([kids_h[m][j] for m, j in kept], dtype=mx.int32)
+            h = h[rows]
+            own_k, own_v = [k[rows] for k in [*own_k, kj]], [v[rows] for v in [*own_v, vj]]
+        return DraftTree(mx.array(tokens, dtype=mx.int32), TreeLayout.of_parents(parents))
 
     def commit_tree(self, path: list[int], hidden: mx.array | None = None) -> None:
         if hidden is not None:

@@ -42,34 +42,59 @@ def start(cmd: list[str], port: int, timeout: float = 180) -> subprocess.Popen:
     raise TimeoutError(f"server did not come up: {' '.join(cmd)}")
 
 
-async def _one(client, url, prompt, tokens, delay) -> dict:
+async def _one(client, url, prompt, tokens, delay, timeout: float) -> dict:
+    """One streamed request sent after ``delay``; cut at ``timeout`` seconds from sending
+    (a server that serialises can leave a Poisson queue waiting for minutes)."""
     await asyncio.sleep(delay)
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True}
     sent = time.perf_counter()
-    stamps = []
-    async with client.stream("POST", url, json=body) as r:
-        async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"text": ""' not in line:
-                stamps.append(time.perf_counter())
-    return {"sent": sent, "stamps": stamps}
+    stamps: list[float] = []
+
+    async def read() -> None:
+        async with client.stream("POST", url, json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"text": ""' not in line:
+                    stamps.append(time.perf_counter())
+    try:
+        await asyncio.wait_for(read(), timeout)
+        return {"sent": sent, "stamps": stamps, "timed_out": False}
+    except asyncio.TimeoutError:
+        return {"sent": sent, "stamps": stamps, "timed_out": True}
 
 
-async def poisson_load(base: str, prompts: list[str], rate: float, tokens: int, seed: int = 0) -> dict:
+async def poisson_load(base: str, prompts: list[str], rate: float, tokens: int, seed: int = 0,
+                       timeout: float = 600.0) -> dict:
+    """Requests at Poisson arrivals; throughput is the tokens received over the makespan
+    (a timed-out request counts what it received and ends the makespan at its cut)."""
     rng = random.Random(seed)
     delays, t = [], 0.0
     for _ in prompts:
         delays.append(t)
         t += rng.expovariate(rate)
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=timeout + 30) as client:
         t0 = time.perf_counter()
-        runs = await asyncio.gather(*[_one(client, f"{base}/v1/completions", p, tokens, d)
+        runs = await asyncio.gather(*[_one(client, f"{base}/v1/completions", p, tokens, d, timeout)
                                       for p, d in zip(prompts, delays)])
         makespan = time.perf_counter() - t0
     ttft = [r["stamps"][0] - r["sent"] for r in runs if r["stamps"]]
     gaps = [b - a for r in runs for a, b in zip(r["stamps"], r["stamps"][1:])]
     tpot = [(r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in runs if len(r["stamps"]) > 1]
     total = sum(len(r["stamps"]) for r in runs)
-    return {"ttft": ttft, "gaps": gaps, "tpot": tpot, "tok_s": total / makespan}
+    return {"ttft": ttft, "gaps": gaps, "tpot": tpot, "tok_s": total / makespan,
+            "timed_out": sum(r["timed_out"] for r in runs)}
+
+
+def draft_model_folder(ctx):
+    """The separate draft model mlx-lm can speculate with: the bench's drafter when it is
+    one, else the demo pair's draft model (when the target is the embedded one)."""
+    from ...kernels.models import demo_pair
+    from .harness import mlx_lm_folder
+    if hasattr(ctx.drafter, "model"):
+        return mlx_lm_folder(ctx.drafter.name)
+    folder = demo_pair()["drafter"]
+    if ctx.target.name == str(demo_pair()["target"]) and folder.exists():
+        return mlx_lm_folder(str(folder))
+    return None
 
 
 def suite_serving(ctx) -> dict:
@@ -83,9 +108,9 @@ def suite_serving(ctx) -> dict:
           "--served-model-name", "default"]
     mlx = [sys.executable, "-m", "mlx_lm.server", "--model", str(mlx_lm_folder(target))]
     systems = {"specbatch": me, "mlx_lm": mlx}
-    if hasattr(ctx.drafter, "model"):  # mlx-lm speculates only with a separate draft model
-        systems["mlx_lm_draft"] = mlx + ["--draft-model", str(mlx_lm_folder(ctx.drafter.name)),
-                                         "--num-draft-tokens", str(ctx.k)]
+    draft = draft_model_folder(ctx)
+    if draft is not None:  # mlx-lm speculates only with a separate draft model (and one request at a time)
+        systems["mlx_lm_draft"] = mlx + ["--draft-model", str(draft), "--num-draft-tokens", str(ctx.k)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(ctx.serving_requests)]
     rows = []
     for name, cmd in systems.items():
@@ -95,8 +120,9 @@ def suite_serving(ctx) -> dict:
             base = f"http://127.0.0.1:{port}"
             asyncio.run(poisson_load(base, prompts[:2], 100.0, 4))  # warm up
             for label, rate in ctx.rates.items():
-                out = asyncio.run(poisson_load(base, prompts, rate, ctx.tokens))
+                out = asyncio.run(poisson_load(base, prompts, rate, ctx.tokens, timeout=ctx.request_timeout))
                 rows.append({"system": name, "rate": label, "req_per_s": rate, "tok_s": out["tok_s"],
+                             "requests": len(prompts), "timed_out": out["timed_out"],
                              "ttft_p50_s": _pct(out["ttft"], 0.5), "ttft_p99_s": _pct(out["ttft"], 0.99),
                              "tpot_p50_s": _pct(out["tpot"], 0.5), "itl_p50_s": _pct(out["gaps"], 0.5),
                              "itl_p99_s": _pct(out["gaps"], 0.99)})

@@ -18,7 +18,7 @@ from ...runtime.tree_shape import TreeShape
 
 log = structlog.get_logger(__name__)
 
-TREE_SHAPES = ("2,1,1", "4,1", "2,2,1", "3,1,1")
+TREE_SHAPES = ("2,1", "2,1,1", "4,1", "3,2,1@0.08", "3,2,1@0.15", "2,2,2@0.1", "2,1,1,1@0.2")
 TEMPERATURES = (0.0, 0.7)
 
 
@@ -97,7 +97,9 @@ def suite_trees(ctx, shapes=TREE_SHAPES, temperatures=TEMPERATURES, n_prompts: i
     k = ctx.k
     rows = []
     for name, source in drafter_sources(ctx).items():
-        engines = systems(ctx.target, source, ctx.config, k, shapes)
+        # only the MTP head prunes a dynamic shape; the others would draft its whole bound
+        mine = [s for s in shapes if name == "mtp" or not TreeShape.parse(s).dynamic]
+        engines = systems(ctx.target, source, ctx.config, k, mine)
         try:
             for t in temperatures:
                 got = width1_runs(engines, prompts, ctx.tokens, t, ctx.repeats)
