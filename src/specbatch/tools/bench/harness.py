@@ -97,7 +97,7 @@ class Context:
         self.k = config.num_draft_tokens
         self.serving_requests = 12
         self.rates = {"low": 0.5, "medium": 1.5, "saturating": 6.0}  # requests per second
-        self.request_timeout = 240.0  # seconds a serving request may take before it is cut
+        self.request_timeout = 120.0  # seconds a serving request may take before it is cut
         self.long_prompt_tokens, self.long_arrivals = 2000, 2  # long_prompts: prompts arriving while streams decode
         self._engines = []
 

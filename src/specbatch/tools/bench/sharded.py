@@ -33,12 +33,21 @@ def _port() -> int:
         return s.getsockname()[1] + 1  # the ring takes this port and the next
 
 
+def shardable(ctx) -> tuple[object, dict]:
+    """The bench's drafter and how a rank loads it; prompt lookup in place of an MTP head,
+    which reads the target's KV that the ranks split (both sides run the same drafter)."""
+    from ...kernels.drafters.mtp import MTPHead
+    from ...kernels.drafters.ngram import NGramSource
+    if isinstance(ctx.drafter, MTPHead):
+        return NGramSource(ctx.target.vocab_size), {"draft": None, "drafter": "ngram"}
+    return ctx.drafter, {"draft": getattr(ctx.drafter, "name", None)}
+
+
 def two_ranks(ctx, tokens: int) -> dict[int, float]:
     config = {k: v for k, v in attrs.asdict(ctx.config).items()}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        job = {"model": ctx.target.name, "draft": getattr(ctx.drafter, "name", None), "config": config,
-               "tokens": tokens, "out": str(out)}
+        job = {"model": ctx.target.name, **shardable(ctx)[1], "config": config, "tokens": tokens, "out": str(out)}
         cmd = [str(Path(sys.executable).with_name("mlx.launch")), "--backend", "ring", "-n", "2",
                "--starting-port", str(_port()), sys.executable, "-m", "specbatch.tools.bench.sharded", json.dumps(job)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -48,7 +57,9 @@ def two_ranks(ctx, tokens: int) -> dict[int, float]:
 
 
 def suite_sharded(ctx) -> dict:
-    one = ctx.engine(prompt_cache_bytes=ctx.config.prompt_cache_bytes)
+    from ...runtime.engine import Engine
+    drafter, how = shardable(ctx)
+    one = Engine(ctx.target, drafter if ctx.config.speculation else None, ctx.config)
     samples = {(r, w): [] for r in (1, 2) for w in WIDTHS}
     for _ in range(ctx.repeats):
         for w, v in workload(one, ctx.target.tokenizer, ctx.tokens).items():
@@ -59,7 +70,9 @@ def suite_sharded(ctx) -> dict:
     for w in WIDTHS:
         a, b = statistics.median(samples[(1, w)]), statistics.median(samples[(2, w)])
         rows.append({"width": w, "ranks_1_tok_s": a, "ranks_2_tok_s": b, "two_over_one": b / a})
-    return {"rows": rows, "note": "2 ranks on one machine over loopback (ring backend)"}
+    one.close()
+    return {"rows": rows, "drafter": how.get("drafter") or how["draft"],
+            "note": "2 ranks on one machine over loopback (ring backend)"}
 
 
 SUITES = {"sharded": suite_sharded}
@@ -71,6 +84,8 @@ def _rank_main(job: dict) -> None:
     ensure_openblas()
     from ...serving.dist import sharded_engine
     config = dict(job["config"])
+    if job.get("drafter"):
+        config["drafter"] = job["drafter"]
     engine = sharded_engine(job["model"], job["draft"], **config)
     if engine is None:
         return
