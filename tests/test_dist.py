@@ -156,3 +156,16 @@ def test_served_stream_gets_an_error_event_when_a_rank_dies(tmp_path, model_dir)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_unshardable_names_the_field_that_does_not_split(tiny):
+    """SmolLM2-135M's 9 heads cannot split over 2 ranks: refused by name, before any launch."""
+    import types
+
+    from specbatch.serving.dist.sharded import unshardable
+    assert unshardable(tiny, 1) is None
+    args = types.SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    nine = types.SimpleNamespace(name="smol", model=types.SimpleNamespace(shard=lambda group: None, args=args))
+    assert unshardable(nine, 2) == "smol: num_attention_heads=9 does not split across 2 ranks"
+    assert unshardable(nine, 3) is None
+    assert "no tensor-parallel shard()" in unshardable(types.SimpleNamespace(name="x", model=object()), 2)

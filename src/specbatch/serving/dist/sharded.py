@@ -26,18 +26,25 @@ log = structlog.get_logger(__name__)
 REMOTE_DRAFTER = "drafter on the driver"  # a follower's drafter source: speculation is on
 
 
+def unshardable(target: LoadedModel, n: int) -> str | None:
+    """Why ``target`` cannot be split across ``n`` ranks, or None when it can."""
+    model = target.model
+    if not hasattr(model, "shard"):
+        return (f"{target.name}: mlx-lm has no tensor-parallel shard() for "
+                f"model type {getattr(model, 'model_type', '?')!r}")
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(model.args, field, None)
+        if value is not None and value % n:
+            return f"{target.name}: {field}={value} does not split across {n} ranks"
+    return None
+
+
 def shard_target(target: LoadedModel, peers: Peers) -> None:
     """Split the target's attention heads and MLP across the ranks, in place."""
-    model, n = target.model, peers.size
-    if not hasattr(model, "shard"):
-        raise ValueError(f"{target.name}: mlx-lm has no tensor-parallel shard() for "
-                         f"model type {getattr(model, 'model_type', '?')!r}")
-    args = model.args
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(args, field, None)
-        if value is not None and value % n:
-            raise ValueError(f"{target.name}: {field}={value} does not split across {n} ranks")
-    model.shard(peers.group)
+    why = unshardable(target, peers.size)
+    if why is not None:
+        raise ValueError(why)
+    target.model.shard(peers.group)
     import mlx.core as mx
     mx.eval(model.parameters())
 

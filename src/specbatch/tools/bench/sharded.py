@@ -58,6 +58,10 @@ def two_ranks(ctx, tokens: int) -> dict[int, float]:
 
 def suite_sharded(ctx) -> dict:
     from ...runtime.engine import Engine
+    from ...serving.dist.sharded import unshardable
+    why = unshardable(ctx.target, 2)
+    if why is not None:  # say so instead of launching ranks that refuse it
+        return {"rows": [], "skipped": why}
     drafter, how = shardable(ctx)
     one = Engine(ctx.target, drafter if ctx.config.speculation else None, ctx.config)
     samples = {(r, w): [] for r in (1, 2) for w in WIDTHS}
