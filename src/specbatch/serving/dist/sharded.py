@@ -46,7 +46,7 @@ def shard_target(target: LoadedModel, peers: Peers) -> None:
         raise ValueError(why)
     target.model.shard(peers.group)
     import mlx.core as mx
-    mx.eval(model.parameters())
+    mx.eval(target.model.parameters())
 
 
 class DriverLink:
