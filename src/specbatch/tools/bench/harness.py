@@ -24,11 +24,44 @@ def code_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def mlx_lm_folder(name: str):
-    """A folder mlx-lm opens at the precision we run: a GGUF's fp32 conversion."""
+    """A folder mlx-lm opens at the precision we run: a GGUF's fp32 conversion, or an fp32
+    copy of a folder with half-precision weights (mlx-lm keeps a checkpoint's dtype; we
+    load fp32 on the CPU, and mlx_lm.server's fp16 draft model measured ~2 s a token)."""
     if str(name).lower().endswith(".gguf"):
         from ...kernels.gguf import cached_folder
         return cached_folder(Path(name), dequantize=True)
+    folder = Path(name)
+    if folder.is_dir() and any(folder.glob("*.safetensors")):
+        return fp32_copy(folder)
     return name
+
+
+def fp32_copy(folder: Path) -> Path:
+    """``folder`` itself when its floating weights are fp32; else a cached fp32 copy."""
+    import hashlib
+    import shutil
+
+    import mlx.core as mx
+
+    from ...kernels.gguf import cache_root
+    files = sorted(folder.glob("*.safetensors"))
+    weights = {f: mx.load(str(f)) for f in files}
+    half = any(v.dtype in (mx.float16, mx.bfloat16) for w in weights.values() for v in w.values())
+    if not half:
+        return folder
+    key = hashlib.sha256("".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files).encode())
+    out = cache_root().parent / "fp32" / f"{folder.name}-{key.hexdigest()[:16]}"
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for f in folder.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    for f, w in weights.items():
+        mx.save_safetensors(str(out / f.name), {k: v.astype(mx.float32) if v.dtype in (mx.float16, mx.bfloat16) else v
+                                                for k, v in w.items()})
+    shutil.copy(folder / "config.json", out / "config.json")  # last: its presence marks a whole copy
+    return out
 
 
 def drafter_args(drafter) -> list[str]:

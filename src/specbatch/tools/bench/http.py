@@ -110,7 +110,9 @@ def suite_serving(ctx) -> dict:
     systems = {"specbatch": me, "mlx_lm": mlx}
     draft = draft_model_folder(ctx)
     if draft is not None:  # mlx-lm speculates only with a separate draft model (and one request at a time)
-        systems["mlx_lm_draft"] = mlx + ["--draft-model", str(draft), "--num-draft-tokens", str(ctx.k)]
+        # our k when the bench drafts with that model; else mlx-lm's own default length
+        k = ["--num-draft-tokens", str(ctx.k)] if hasattr(ctx.drafter, "model") else []
+        systems["mlx_lm_draft"] = mlx + ["--draft-model", str(draft), *k]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(ctx.serving_requests)]
     rows = []
     for name, cmd in systems.items():

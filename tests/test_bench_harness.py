@@ -1,0 +1,25 @@
+"""The bench harness hands mlx-lm folders at the precision the engine runs (fp32 on the CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+
+from specbatch.tools.bench.harness import fp32_copy, mlx_lm_folder
+
+
+def test_half_precision_folders_get_an_fp32_copy_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBATCH_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "draft"
+    src.mkdir()
+    mx.save_safetensors(str(src / "model.safetensors"), {"w": mx.ones((2, 3), dtype=mx.float16),
+                                                         "ids": mx.arange(4, dtype=mx.int32)})
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (src / "tokenizer.json").write_text("{}")
+    out = mlx_lm_folder(str(src))
+    assert out != src and (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    got = mx.load(str(out / "model.safetensors"))
+    assert got["w"].dtype == mx.float32 and got["ids"].dtype == mx.int32 and mx.array_equal(got["w"], mx.ones((2, 3)))
+    assert fp32_copy(src) == out  # cached
+    assert fp32_copy(out) == out  # already fp32: used as is
