@@ -45,14 +45,16 @@ statecharts: $(STAMP)
 clean:
 	rm -rf .venv build .pytest_cache .hypothesis
 
-# Retrain the embedded target's drafters (about 130 minutes on 2 cores; every step is
-# resumable and time-boxed, work under build/drafters/): data, MTP head (one-step training
-# from the target's last block, then two unrolled draft steps from there), draft model, then
-# measure them on the held-out prompts and install them in src/specbatch/demo_models
-# (the MTP head becomes the default drafter only if its measured tau clears 1.5).
+# Retrain the embedded target's drafters (about three hours on 2 cores; every step is
+# resumable and time-boxed, work under build/drafters/): data (text on the machine, the
+# target's answers to templated prompts and to questions it writes itself), MTP head
+# (one-step training from the target's last block, then two unrolled draft steps on the
+# same clock to 105 minutes), draft model, then measure them on the held-out prompts and
+# install them in src/specbatch/demo_models (the MTP head becomes the default drafter only
+# if its measured tau clears 1.5).
 drafters: $(STAMP)
-	$(RUN) scripts/drafter_data.py --minutes 13
+	$(RUN) scripts/drafter_data.py --minutes 25
 	$(RUN) scripts/train_mtp_head.py --extract-minutes 20 --out build/drafters/mtp-u1 --vocab 4096 --unroll 1 --batch 8 --minutes 40
-	$(RUN) scripts/train_mtp_head.py --extract-minutes 0 --out build/drafters/mtp --init-from build/drafters/mtp-u1 --vocab 4096 --unroll 2 --batch 8 --lr 5e-4 --minutes 60
-	$(RUN) scripts/train_draft_model.py --minutes 30
+	$(RUN) scripts/train_mtp_head.py --extract-minutes 0 --out build/drafters/mtp --init-from build/drafters/mtp-u1 --vocab 4096 --unroll 2 --batch 8 --lr 5e-4 --minutes 105
+	$(RUN) scripts/train_draft_model.py --minutes 25
 	$(RUN) scripts/measure_drafters.py --install
