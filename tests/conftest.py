@@ -42,3 +42,28 @@ def tiny_qwen(model_dir):
 def tiny_draft(model_dir):
     from specbatch.kernels.models import load
     return load(model_dir["draft"])
+
+
+@pytest.fixture(scope="module")
+def fakes(tiny):
+    """The fake kernel: a target, and drafters over it (an oracle copy, a skewed copy,
+    prompt lookup)."""
+    from specbatch.kernels.drafters.ngram import NGramSource
+    from specbatch.kernels.models import LoadedModel
+    from specbatch.testing.fake import FakeModel
+    target = LoadedModel(FakeModel(), tiny.tokenizer, "fake-target", 4096)
+    return target, [LoadedModel(FakeModel(skew=0.0), tiny.tokenizer, "fake-oracle", 4096),
+                    LoadedModel(FakeModel(skew=3.0, salt=1), tiny.tokenizer, "fake-skewed", 4096),
+                    NGramSource(512)]
+
+
+@pytest.fixture(scope="module")
+def mtp_head(tiny):
+    """A randomly initialised MTP head over the tiny llama (fp32)."""
+    import mlx.core as mx
+
+    from specbatch.kernels.drafters.mtp import MTPHead, head_config
+    mx.random.seed(3)
+    head = MTPHead(head_config(tiny.model.args, intermediate_size=64))
+    mx.eval(head.parameters())
+    return head

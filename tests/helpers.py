@@ -49,10 +49,14 @@ def drive_scalar(target, drafter, prompt, k=4, verify="coupled", adaptive=False,
     return request.tokens, rounds, loop
 
 
-def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, params=None, together=False):
-    """Decode ``prompts`` in one batch loop; ``together``: one left-padded prefill."""
+def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, params=None, together=False,
+              tree=None, kv_layout=None, check=None):
+    """Decode ``prompts`` in one batch loop; ``together``: one left-padded prefill; ``tree``:
+    a ``BatchTree``; ``check(loop)`` after every armed round."""
     runner = ModelRunner(target.model)
-    loop = BatchLoop(runner, make_drafter(drafter, runner, True) if drafter else None, k, verify)
+    if kv_layout:
+        runner.kv_layout = kv_layout
+    loop = BatchLoop(runner, make_drafter(drafter, runner, True) if drafter else None, k, verify, tree=tree)
     requests = [make_request(target, p, **(params[i] if params else {})) for i, p in enumerate(prompts)]
     if together:
         loop.admit_many(requests)
@@ -62,11 +66,14 @@ def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, param
     rounds = []
     if armed and loop.width:
         loop.capture_round()
+        loop.reap()  # rows whose budget the capture round's token spent
     while loop.width:
         if armed:
             out = loop.spec_round()
             if out.verify:
                 rounds.append(out.verify)
+            if check:
+                check(loop)
         else:
             loop.plain_round(successor=False)
         loop.reap()

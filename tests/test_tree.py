@@ -13,10 +13,8 @@ from hypothesis import strategies as st
 from specbatch import EngineCore, SamplingParams
 from specbatch.runtime.config import EngineConfig
 from specbatch.kernels.drafters.ngram import NGramSource, propose, propose_tree
-from specbatch.testing.fake import FakeModel
 from specbatch.kernels.build import make_drafter
 from specbatch.kernels.loops.scalar import ScalarLoop
-from specbatch.kernels.models import LoadedModel
 from specbatch.kernels.runner import ModelRunner
 from specbatch.runtime.tree_shape import TreeLayout, TreeShape, walk
 
@@ -66,14 +64,6 @@ def test_prompt_lookup_tree_is_a_trie_over_the_chain(seq, shape):
 
 def run_tree(target, drafter_source, prompt, shape, k=4, adaptive=False, **params):
     return drive_scalar(target, drafter_source, prompt, k, adaptive=adaptive, tree=shape, **params)
-
-
-@pytest.fixture(scope="module")
-def fakes(tiny):
-    target = LoadedModel(FakeModel(), tiny.tokenizer, "fake-target", 4096)
-    return target, [LoadedModel(FakeModel(skew=0.0), tiny.tokenizer, "fake-oracle", 4096),
-                    LoadedModel(FakeModel(skew=3.0, salt=1), tiny.tokenizer, "fake-skewed", 4096),
-                    NGramSource(512)]
 
 
 @given(shape=SHAPES, k=st.integers(1, 5), adaptive=st.booleans(), drafter=st.integers(0, 2),
@@ -185,15 +175,6 @@ def test_tree_streams_equal_plain_on_tiny_models(tiny, tiny_draft, shape, temper
         got, _, _ = run_tree(tiny, source, prompt, TreeShape.parse(shape), adaptive=True, max_tokens=20,
                              temperature=temperature, seed=5)
         assert got == ref
-
-
-@pytest.fixture(scope="module")
-def mtp_head(tiny):
-    from specbatch.kernels.drafters.mtp import MTPHead, head_config
-    mx.random.seed(3)
-    head = MTPHead(head_config(tiny.model.args, intermediate_size=64))
-    mx.eval(head.parameters())
-    return head
 
 
 @pytest.mark.parametrize("kind", ["model", "mtp"])

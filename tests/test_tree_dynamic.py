@@ -18,15 +18,6 @@ from specbatch.runtime.tree_shape import TreeShape
 PROMPT = [5, 9, 13, 5, 9, 17, 5, 9]
 
 
-@pytest.fixture(scope="module")
-def mtp_head(tiny):
-    from specbatch.kernels.drafters.mtp import MTPHead, head_config
-    mx.random.seed(3)
-    head = MTPHead(head_config(tiny.model.args, intermediate_size=64))
-    mx.eval(head.parameters())
-    return head
-
-
 def test_dynamic_shapes_parse_print_cut_and_configure():
     shape = TreeShape.parse("2,2,1@0.1")
     assert shape.branching == (2, 2, 1) and shape.min_score == 0.1 and shape.dynamic

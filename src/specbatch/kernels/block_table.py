@@ -95,6 +95,11 @@ class BlockTable:
         blk = np.minimum(pos // BLOCK, table.shape[1] - 1)
         return (np.take_along_axis(table, blk, 1) * BLOCK + pos % BLOCK).astype(np.int32)
 
+    def slots_of(self, rows: list[int], positions: list[int]) -> np.ndarray:
+        """Pool slot of token ``positions[i]`` of row ``rows[i]``, for each i."""
+        return np.asarray([self.rows[r][p // BLOCK] * BLOCK + p % BLOCK for r, p in zip(rows, positions)],
+                          dtype=np.int32)
+
     def row_slots(self, rows: list[int], lengths: list[int]) -> np.ndarray:
         """Pool slots of tokens ``0 .. lengths[i]`` of each row ``rows[i]``, concatenated."""
         parts = [(np.asarray(self.rows[r], dtype=np.int32)[:, None] * BLOCK + np.arange(BLOCK)).reshape(-1)[:n]

@@ -77,7 +77,7 @@ class LoopKernels:
     def batch(self, speculative: bool) -> BatchLoop:
         c = self.config
         drafter = self._drafter(batch=True) if speculative else None
-        loop = BatchLoop(self.runner, drafter, c.num_draft_tokens, c.verify, c.adaptive_k)
+        loop = BatchLoop(self.runner, drafter, c.num_draft_tokens, c.verify, c.adaptive_k, tree=c.batch_tree)
         loop.retire = self.prompt_cache.retire
         return loop
 

@@ -33,18 +33,19 @@ def _rows(cache) -> tuple[list[int], list[int]]:
 def tree_mask(starts: list[int], ends: list[int], n: int, visible: mx.array) -> mx.array:
     """``[B, 1, n, C]`` for ``n`` new columns per row after ``ends`` (C = max end + n).
 
-    ``visible`` ``[n, W]`` (bool): which of the row's last ``W`` columns after the update
-    (the tree's region, ``W >= n``) each new query sees; every column before the region,
-    from the row's start, is committed and seen."""
-    W = visible.shape[1]
+    ``visible`` ``[n, W]`` or, one tree per row, ``[B, n, W]`` (bool): which of the row's
+    last ``W`` columns after the update (the tree's region, ``W >= n``) each new query
+    sees; every column before the region, from the row's start, is committed and seen."""
+    B, W = len(ends), visible.shape[-1]
     C = max(ends) + n
     cols = mx.arange(C)[None]  # [1, C]
     region = mx.array([e + n - W for e in ends])[:, None]  # [B, 1]
     rel = cols - region  # [B, C]
     committed = (cols >= mx.array(starts)[:, None]) & (rel < 0)  # [B, C]
     in_tree = (rel >= 0) & (rel < W)
-    seen = mx.take(visible, mx.clip(rel, 0, W - 1), axis=1)  # [n, B, C]
-    seen = seen.transpose(1, 0, 2) & in_tree[:, None]  # [B, n, C]
+    per_row = mx.broadcast_to(visible, (B, n, W))
+    idx = mx.broadcast_to(mx.clip(rel, 0, W - 1)[:, None], (B, n, C))
+    seen = mx.take_along_axis(per_row, idx, axis=2) & in_tree[:, None]  # [B, n, C]
     return (committed[:, None] | seen)[:, None]
 
 
@@ -109,6 +110,38 @@ def tree_call(call, model, tokens: mx.array, cache: list, positions: mx.array, v
     wrapped = [TreeCache(c, visible, positions) for c in cache]
     with node_positions(model, positions):
         return call(tokens, wrapped)
+
+
+def path_moves(roots: list[int], paths: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    """(row, from, to) token positions of the accepted nodes that move: row b's node ``p``
+    at depth ``i`` of its path goes from ``roots[b] + p`` to ``roots[b] + i``."""
+    moves = [(b, root + p, root + i) for b, (root, path) in enumerate(zip(roots, paths))
+             for i, p in enumerate(path, 1) if p != i]
+    return [m[0] for m in moves], [m[1] for m in moves], [m[2] for m in moves]
+
+
+def compact_rows(kv, roots: list[int], paths: list[list[int]]) -> None:
+    """``compact`` for a batch cache (``BatchKV``, dense or paged) after a tree forward of
+    the same ``N`` columns per row: row b keeps its root (token position ``roots[b]``) and
+    its path, moved to follow the root, and ends at ``roots[b] + len(paths[b]) + 1``."""
+    rows, src, dst = path_moves(roots, paths)
+    table = getattr(kv, "table", None)
+    if rows and table is not None:  # paged: move pool slots; every layer shares the table
+        s, d = mx.array(table.slots_of(rows, src)), mx.array(table.slots_of(rows, dst))
+        for layer in kv.layers:
+            if layer.kpool is not None:
+                layer.kpool.move(s, d)
+                layer.vpool.move(s, d)
+    elif rows:
+        r = mx.array(rows)
+        for layer in kv.layers:
+            st = layer.starts
+            cs = mx.array([st[b] + c for b, c in zip(rows, src)])
+            cd = mx.array([st[b] + c for b, c in zip(rows, dst)])
+            layer.keys[r, :, cd] = layer.keys[r, :, cs]  # [moved, H, D]
+            layer.values[r, :, cd] = layer.values[r, :, cs]
+    held = kv.lengths()
+    kv.trim_rows([n - (root + len(path) + 1) for n, root, path in zip(held, roots, paths)])
 
 
 def compact(cache: list, root: int, path: list[int]) -> None:

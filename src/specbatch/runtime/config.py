@@ -13,7 +13,7 @@ import os
 import attrs
 
 from .schedule import DraftSchedule
-from .tree_shape import TreeShape
+from .tree_shape import BatchTree, TreeShape
 
 DEFAULT_K = 4
 DEFAULT_CAP = 2  # a separate drafter on a dense target, until calibration says otherwise
@@ -90,6 +90,9 @@ class EngineConfig:
     tree_shape: TreeShape | None = attrs.field(default=None, converter=to_tree)
     # requests sampled hotter than this draft chains even alone (None: any temperature)
     tree_max_temperature: float | None = None
+    # the tree batches of 2 or more draft per row, and up to which width (None: chains);
+    # calibrated per pair where a tree beat the chain at that width
+    batch_tree: BatchTree | None = attrs.field(default=None, converter=BatchTree.of)
     # the longest prompt + completion served (None: the model's context); a longer prompt
     # is refused naming both lengths, a longer budget is clamped to the room left
     max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
@@ -190,6 +193,8 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
     if "tree_shape" not in options and drafter is not None:
         options["tree_shape"] = lookup(target.name, drafter.name, "tree", to_tree)
         options.setdefault("tree_max_temperature", lookup(target.name, drafter.name, "tree_max_temperature", float))
+    if "batch_tree" not in options and drafter is not None:
+        options["batch_tree"] = lookup(target.name, drafter.name, "batch_tree", BatchTree.of)
     if "max_spec_temperature" not in options and drafter is not None:
         options["max_spec_temperature"] = lookup(target.name, drafter.name, "max_temperature", float)
     fields = dict(options, speculation=speculation and drafter is not None)

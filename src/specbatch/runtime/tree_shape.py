@@ -144,3 +144,27 @@ def walk(layout: TreeLayout, drafted: list[int], target: list[int]) -> list[int]
             return path
         path.append(nxt)
         node = nxt
+
+
+def _tree(value) -> TreeShape:
+    return value if isinstance(value, TreeShape) else TreeShape.parse(str(value))
+
+
+@attrs.frozen
+class BatchTree:
+    """Where batches draft a token tree per row instead of a chain: ``shape`` at widths 2 ..
+    ``max_width``, while no row is hotter than ``max_temperature`` (None: any); calibrated."""
+
+    shape: TreeShape = attrs.field(converter=_tree)
+    max_width: int = attrs.field(validator=attrs.validators.ge(2))
+    max_temperature: float | None = None
+
+    @classmethod
+    def of(cls, value) -> "BatchTree | None":
+        """None, a ``BatchTree`` or its JSON form ``{"shape": "3,2,1@0.1", "max_width": 4, ...}``."""
+        if value is None or isinstance(value, BatchTree):
+            return value
+        return cls(**value)
+
+    def to_json(self) -> dict:
+        return {"shape": str(self.shape), "max_width": self.max_width, "max_temperature": self.max_temperature}

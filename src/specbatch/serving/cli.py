@@ -192,6 +192,9 @@ def _measuring_parsers(sub) -> None:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--out", default="bench/results")
     b.add_argument("--no-report", dest="report", action="store_false", help="skip plots and docs/benchmarks.md")
+    b.add_argument("--report-from", default=None, metavar="FILES",
+                   help="run nothing: write plots and docs/benchmarks.md from these results files (comma list; "
+                        "each suite from the last file that has it)")
     _model_args(b)
     b.set_defaults(func=cmd_bench)
 

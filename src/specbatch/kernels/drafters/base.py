@@ -97,3 +97,17 @@ class TreeDrafter(Drafter, Protocol):
         """Keep the accepted ``path`` (node ids, depths 1 .. a); ``hidden`` ``[1, D]``: the
         target state that predicted the new pending token (head drafters)."""
         ...
+
+
+class BatchTreeDrafter(TreeDrafter, Protocol):
+    """A drafter that proposes one tree per row of a batch (the MTP head, prompt lookup):
+    the batch loop verifies trees only with these; a draft model's batch drafts chains."""
+
+    def draft_trees(self, prev: mx.array, pending: mx.array, shape, choose: TopChooser,
+                    context: list | None = None) -> list[DraftTree]:
+        """Per row, a tree within ``shape`` (rows' trees may differ under a dynamic shape)."""
+        ...
+
+    def commit_trees(self, paths: list[list[int]], hidden: mx.array | None = None) -> None:
+        """Per row, ``commit_tree``; ``hidden`` ``[B, D]``."""
+        ...

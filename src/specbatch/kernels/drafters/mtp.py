@@ -159,58 +159,73 @@ class MTPDrafter:
         return mx.stack(tokens, axis=1), mx.stack(logits, axis=1)
 
     def draft_tree(self, prev, pending, shape, choose, context=None) -> DraftTree:
-        """Level by level, the frontier's nodes as rows: each row carries its parent's
-        output state and sees the target's KV plus its ancestors' head keys."""
-        if shape.dynamic:
-            return self._draft_dynamic(pending, shape, choose, context)
-        ctx = context_kv(context[-1])
-        base = ctx[3][0]  # the pending token's position (one row)
-        h, token, own_k, own_v, levels = self.hidden, pending, [], [], []
-        for d, b in enumerate(shape.branching, 1):
-            M = token.shape[0]  # frontier rows (nodes of depth d - 1)
-            ck, cv, cm = (mx.broadcast_to(a, (M, *a.shape[1:])) for a in ctx[:3])
-            h, kj, vj = self.head.step(h, self.runner.embed(token), mx.full((M,), base + d - 1),
-                                       ck, cv, cm, own_k, own_v)  # h [M, D], kj [M, Hkv, 1, d]
-            token = choose(self.logits(h), d, b).reshape(-1)  # [M * b] children
-            levels.append(token)
-            parent = mx.repeat(mx.arange(M), b)  # [M * b]: each child's row
-            h = h[parent]
-            own_k = [k[parent] for k in [*own_k, kj]]
-            own_v = [v[parent] for v in [*own_v, vj]]
-        return DraftTree(mx.concatenate([pending, *levels]).astype(mx.int32), shape.layout())
+        return self.draft_trees(prev, pending, shape, choose, context)[0]
 
-    def _draft_dynamic(self, pending, shape, choose, context) -> DraftTree:
-        """The static draft, keeping only children whose path score (product of drafted
-        probabilities from the root) reaches ``shape.min_score``; a kept node's row goes
-        on to the next depth. One host read per depth: the pruning decides the next rows."""
-        ctx = context_kv(context[-1])
-        base = ctx[3][0]
-        h, token, own_k, own_v = self.hidden, pending, [], []
-        tokens, parents = [int(pending[0].item())], [-1]
-        frontier, scores = [0], [1.0]  # node ids and path scores of the rows in h
+    def commit_tree(self, path: list[int], hidden: mx.array | None = None) -> None:
+        self.commit_trees([path], hidden)
+
+    def draft_trees(self, prev, pending, shape, choose, context=None) -> list[DraftTree]:
+        """One tree per row, level by level: every row's frontier nodes are the rows of one
+        head step, each carrying its parent's output state and seeing its own row's target
+        KV and its ancestors' head keys. A dynamic shape keeps only children whose path
+        score (product of drafted probabilities) reaches ``shape.min_score``."""
+        ck, cv, cm, lengths = context_kv(context[-1])
+        ctx = (ck, cv, cm, mx.array(lengths, dtype=mx.int32))  # [B, ...]; the pending tokens' positions
+        if shape.dynamic:
+            return self._draft_dynamic(pending, shape, choose, ctx)
+        B = pending.shape[0]
+        owner, h, token, own_k, own_v, levels = mx.arange(B), self.hidden, pending, [], [], []
         for d, b in enumerate(shape.branching, 1):
-            M = token.shape[0]
-            ck, cv, cm = (mx.broadcast_to(a, (M, *a.shape[1:])) for a in ctx[:3])
-            h, kj, vj = self.head.step(h, self.runner.embed(token), mx.full((M,), base + d - 1),
-                                       ck, cv, cm, own_k, own_v)  # h [M, D]
+            h, own_k, own_v = self._expand(h, token, owner, d, ctx, own_k, own_v)  # h [M, D]
+            token = choose(self.logits(h), d, b).reshape(-1)  # [M * b] children, row-major
+            levels.append(token.reshape(B, -1))
+            parent = mx.repeat(mx.arange(token.shape[0] // b), b)  # [M * b]: each child's frontier row
+            owner, h = owner[parent], h[parent]
+            own_k, own_v = [k[parent] for k in own_k], [v[parent] for v in own_v]
+        tokens = mx.concatenate([pending[:, None], *levels], axis=1).astype(mx.int32)  # [B, N]
+        layout = shape.layout()
+        return [DraftTree(tokens[i], layout) for i in range(B)]
+
+    def _expand(self, h, token, owner, d: int, ctx, own_k: list, own_v: list):
+        """One head step for the frontier rows at depth ``d - 1`` (``owner`` [M]: their batch rows)."""
+        ck, cv, cm, base = ctx
+        M = token.shape[0]
+        if ck.shape[0] == 1:  # one row: a broadcast, no copy of its context
+            ck, cv, cm = (mx.broadcast_to(a, (M, *a.shape[1:])) for a in (ck, cv, cm))
+        else:
+            ck, cv, cm = ck[owner], cv[owner], cm[owner]
+        h, kj, vj = self.head.step(h, self.runner.embed(token), base[owner] + d - 1, ck, cv, cm, own_k, own_v)
+        return h, [*own_k, kj], [*own_v, vj]  # h [M, D], kj [M, Hkv, 1, hd]
+
+    def _draft_dynamic(self, pending, shape, choose, ctx) -> list[DraftTree]:
+        """The static draft, pruned by path score; one host read per depth (the pruning
+        decides the next frontier). Per frontier row: its batch row, node id and score."""
+        trees = [([t], [-1]) for t in pending.tolist()]  # per batch row: tokens, parents
+        owner, node, score = list(range(len(trees))), [0] * len(trees), [1.0] * len(trees)
+        h, token, own_k, own_v = self.hidden, pending, [], []
+        for d, b in enumerate(shape.branching, 1):
+            h, own_k, own_v = self._expand(h, token, mx.array(owner), d, ctx, own_k, own_v)
             logits = self.logits(h)  # [M, V]
             kids = choose(logits, d, b)  # [M, b], best first
             probs = mx.take_along_axis(mx.softmax(logits, axis=-1), kids, axis=-1)  # [M, b]
             kids_h, probs_h = kids.tolist(), probs.tolist()
-            kept = [(m, j) for m in range(M) for j in range(b) if scores[m] * probs_h[m][j] >= shape.min_score]
+            kept = [(m, j) for m in range(len(owner)) for j in range(b) if score[m] * probs_h[m][j] >= shape.min_score]
             if not kept:
                 break
-            rows = mx.array([m for m, _ in kept])  # [M'] each kept child's parent row
-            parents += [frontier[m] for m, _ in kept]
-            tokens += [kids_h[m][j] for m, j in kept]
-            scores = [scores[m] * probs_h[m][j] for m, j in kept]
-            frontier = list(range(len(tokens) - len(kept), len(tokens)))
+            placed = []
+            for m, j in kept:  # depth by depth, parents first: each row's nodes stay in tree order
+                tokens, parents = trees[owner[m]]
+                tokens.append(kids_h[m][j])
+                parents.append(node[m])
+                placed.append(len(tokens) - 1)
+            node, owner, score = placed, [owner[m] for m, _ in kept], [score[m] * probs_h[m][j] for m, j in kept]
+            rows = mx.array([m for m, _ in kept])  # [M'] each kept child's frontier row
             token = mx.array([kids_h[m][j] for m, j in kept], dtype=mx.int32)
-            h = h[rows]
-            own_k, own_v = [k[rows] for k in [*own_k, kj]], [v[rows] for v in [*own_v, vj]]
-        return DraftTree(mx.array(tokens, dtype=mx.int32), TreeLayout.of_parents(parents))
+            h, own_k, own_v = h[rows], [k[rows] for k in own_k], [v[rows] for v in own_v]
+        return [DraftTree(mx.array(t, dtype=mx.int32), TreeLayout.of_parents(p)) for t, p in trees]
 
-    def commit_tree(self, path: list[int], hidden: mx.array | None = None) -> None:
+    def commit_trees(self, paths: list[list[int]], hidden: mx.array | None = None) -> None:
+        """``hidden`` ``[B, D]``: the target state at each row's last accepted node."""
         if hidden is not None:
             self.hidden = hidden
 

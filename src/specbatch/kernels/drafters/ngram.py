@@ -88,7 +88,7 @@ class NGramDrafter:
     def __init__(self, source: NGramSource):
         self.source = source
         self._fed: list[list[int]] = []  # per row: the sequence minus its last two tokens
-        self._last_tree: list[int] = []  # the latest tree's tokens (host), for commit_tree
+        self._last_trees: list[list[int]] = []  # per row, the latest tree's tokens (host), for commit_trees
 
     @property
     def width(self) -> int:
@@ -105,20 +105,28 @@ class NGramDrafter:
         return tokens, logits
 
     def draft_tree(self, prev, pending, shape, choose, context=None) -> DraftTree:
-        """Distinct continuations of the suffix's earlier matches, merged into a trie
-        within ``shape`` (a chain where the history has one)."""
-        [fed] = self._fed
-        fed += [int(prev.item()), int(pending.item())]
-        tokens, parents = propose_tree(np.asarray(fed), shape.branching, self.source.max_n, self.source.min_n)
-        self._last_tree = tokens
-        return DraftTree(mx.array(tokens, dtype=mx.int32), TreeLayout.of_parents(parents))
+        return self.draft_trees(prev, pending, shape, choose, context)[0]
 
     def commit_tree(self, path: list[int], hidden=None) -> None:
-        [fed] = self._fed
-        if not path:
-            fed.pop()  # the pending token: it becomes prev, with the bonus pending
-            return
-        fed += [self._last_tree[n] for n in path[:-1]]
+        self.commit_trees([path])
+
+    def draft_trees(self, prev, pending, shape, choose, context=None) -> list[DraftTree]:
+        """Per row, distinct continuations of the suffix's earlier matches, merged into a
+        trie within ``shape`` (a chain where the history has one)."""
+        self._last_trees, trees = [], []
+        for fed, p, y in zip(self._fed, prev.tolist(), pending.tolist()):
+            fed += [p, y]
+            tokens, parents = propose_tree(np.asarray(fed), shape.branching, self.source.max_n, self.source.min_n)
+            self._last_trees.append(tokens)
+            trees.append(DraftTree(mx.array(tokens, dtype=mx.int32), TreeLayout.of_parents(parents)))
+        return trees
+
+    def commit_trees(self, paths: list[list[int]], hidden=None) -> None:
+        for fed, tokens, path in zip(self._fed, self._last_trees, paths):
+            if not path:
+                fed.pop()  # the pending token: it becomes prev, with the bonus pending
+            else:
+                fed += [tokens[n] for n in path[:-1]]
 
     def rollback(self, counts: list[int], hidden=None) -> None:
         for fed, c in zip(self._fed, counts):

@@ -6,7 +6,8 @@ cache, which the next round starts from (after a verify round, the bonus token).
 
 Armed, it speculates: greedy drafting for all rows at once (coupled noise does not
 extend across rows), one verify forward over ``B x (k+1)``, per-row accepted counts and
-per-row rollback on the ragged caches. Unarmed, it runs plain rounds and leaves the
+per-row rollback on the ragged caches; or, where a tree is calibrated for the width, one
+greedy token tree per row verified in one forward (``loops/tree``). Unarmed, it runs plain rounds and leaves the
 drafter untouched (no drafter rows). Arming runs a *capture round*: one plain,
 one-position forward of each row's pending token that emits one token per row, after
 which the drafter cold-starts from the captured rows.
@@ -31,6 +32,7 @@ from ..logprobs import gather, read, sample_read
 from ..paged_kv import batch_kv
 from ..runner import TargetRunner, prefill, prefill_batch
 from ..sampling import RowSampling, positions_from, sample
+from .tree import tree_capable, tree_round
 from .verify import bonus_hidden, last_hidden, next_k, spec_round
 
 log = structlog.get_logger(__name__)
@@ -47,8 +49,9 @@ class BatchLoop:
     """Decode rounds over many rows; rows join and leave only between rounds."""
 
     def __init__(self, target: TargetRunner, drafter=None, k: int = 4, verify: str = "coupled",
-                 adaptive: bool = False):
+                 adaptive: bool = False, tree=None):
         self.target, self.drafter, self.k, self.verify = target, drafter, k, verify
+        self.tree = tree  # a BatchTree (shape, widest width, hottest temperature) or None: chains
         self.adaptive, self.k_now = adaptive, k  # k_now: the next round's draft length
         self.armed = False  # the drafter holds one row per loop row
         self.retire = None  # callable(tokens, single caches): the prompt cache's intake
@@ -159,14 +162,20 @@ class BatchLoop:
         k = min(self.k_now, max(r.request.remaining for r in self.rows) - 1)
         if k < 1:
             return self.plain_round(successor=False)
-        result = spec_round(self.target, self.kv.layers, self.drafter, [r.pending for r in self.rows],
-                            [r.prev for r in self.rows], self._rows_sampling(),
-                            [r.request.emitted for r in self.rows], k, self.verify, coupled=False)
+        pending, prev, starts = [r.pending for r in self.rows], [r.prev for r in self.rows], \
+            [r.request.emitted for r in self.rows]
+        shape = self._tree_at(k)
+        if shape is not None:  # the tree round compacts the KV and commits the drafter itself
+            result = tree_round(self.target, self.kv, self.drafter, pending, prev, self._rows_sampling(), starts,
+                                shape, coupled=False)
+        else:
+            result = spec_round(self.target, self.kv.layers, self.drafter, pending, prev, self._rows_sampling(),
+                                starts, k, self.verify, coupled=False)
+            back = [k - a for a in result.accepted]
+            self.kv.trim_rows(back)
+            self.drafter.rollback(back, hidden=bonus_hidden(self.target, result.accepted))
         if self.adaptive:
             self.k_now = next_k(self.k_now, self.k, result)
-        back = [k - a for a in result.accepted]
-        self.kv.trim_rows(back)
-        self.drafter.rollback(back, hidden=bonus_hidden(self.target, result.accepted))
         out = RoundOutput(verify=result, verified=[r.request for r in self.rows], round=True)
         for i, (row, run) in enumerate(zip(self.rows, result.emitted)):
             for token, logprob in zip(run, result.row_logprobs(i)):
@@ -175,6 +184,18 @@ class BatchLoop:
             row.prev, row.pending = (run[-2] if len(run) > 1 else row.pending), run[-1]
         self.rounds += 1
         return out
+
+    def _tree_at(self, k: int):
+        """The tree this round drafts (cut to ``k`` levels), or None for a chain: a shape
+        calibrated for this width, no row hotter than its limit, coupled verification, and
+        a pair that drafts a tree per row."""
+        t = self.tree
+        if t is None or not 2 <= self.width <= t.max_width or self.verify != "coupled":
+            return None
+        if t.max_temperature is not None and max(r.request.params.temperature for r in self.rows) > t.max_temperature:
+            return None
+        shape = t.shape.cut(k)
+        return None if shape.is_chain or not tree_capable(self.target, self.drafter, self.width) else shape
 
     def reap(self) -> list[Request]:
         """Remove finished and cancelled rows (between settled rounds); return them."""

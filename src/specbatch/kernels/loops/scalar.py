@@ -111,8 +111,8 @@ class ScalarLoop:
             self._plain()
             return
         if self._tree_at(k):
-            result = tree_round(self.target, self.cache, self.drafter, self.pending, self.prev, self._rows,
-                                self.request.emitted, self.tree.cut(k))
+            result = tree_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
+                                [self.request.emitted], self.tree.cut(k))
         else:
             result = spec_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
                                 [self.request.emitted], k, self.verify, coupled=True)

@@ -1,22 +1,27 @@
-"""A tree round for one row: draft a token tree, score every node in one target forward,
-walk the accepted path, compact the row's KV (vocabulary: ``tree_shape`` and ``verify``).
+"""A tree round: draft a token tree per row, score every row's nodes in one target
+forward, walk each row's accepted path, compact each row's KV (vocabulary: ``tree_shape``
+and ``verify``). Rows' trees may differ (dynamic shapes): they are padded to the largest.
 
 Every node samples the target with the chain's coupled rule: node ``n`` at depth ``d``
 draws with the noise of output position ``e + d`` (``e`` = tokens emitted before the
 round), the same noise a plain decode of the path to ``n`` would draw there, so the
 emitted run is the target's own stream whatever the tree held. Draft children are the
 top ``b`` of the draft logits perturbed with that same noise (Gumbel top-k: the first is
-exactly the chain's coupled draft), greedy rows the top ``b`` logits.
+exactly the chain's coupled draft), greedy rows the top ``b`` logits. A batch drafts
+greedily, as its chains do; its rows still emit the target's own streams.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import structlog
 
+from ..drafters.base import DraftTree
+from ..kv import BatchKV
 from ..logprobs import gather, read
 from ..sampling import RowSampling, perturbed, sample
-from ..tree_attention import compact
+from ..tree_attention import compact, compact_rows
 from ...runtime.tree_shape import TreeShape, walk
 from .verify import RoundResult
 
@@ -37,28 +42,74 @@ def top_chooser(rows: RowSampling, start: int):
     return choose
 
 
-def tree_capable(target, drafter) -> bool:
-    return hasattr(target, "forward_tree") and hasattr(drafter, "draft_tree")
+def tree_capable(target, drafter, width: int = 1) -> bool:
+    """The pair can verify trees for ``width`` rows (wider than one: a drafter that drafts
+    a tree per row, ``draft_trees``)."""
+    rows = hasattr(drafter, "draft_trees") or (width == 1 and hasattr(drafter, "draft_tree"))
+    return hasattr(target, "forward_tree") and rows
 
 
-def tree_round(target, cache: list, drafter, pending: int, prev: int, rows: RowSampling, start: int,
-               shape: TreeShape) -> RoundResult:
-    """One row's round over a ``shape`` tree; ``cache`` (single-sequence) ends holding the
-    root and the accepted path, exactly, and the drafter is committed to the path."""
-    tree = drafter.draft_tree(mx.array([prev], dtype=mx.int32), mx.array([pending], dtype=mx.int32),
-                              shape, top_chooser(rows, start), context=cache)
-    layout = tree.layout
-    base = cache[0].offset  # the root's column and RoPE position
-    depths = mx.array(layout.depths, dtype=mx.int32)[None]  # [1, N]
-    visible = mx.array(layout.ancestry())  # [N, N]
-    logits = target.forward_tree(tree.tokens[None], cache, base + depths, visible)  # [1, N, V]
-    sampled = sample(logits, rows, start + depths)  # [1, N]: the target's token after each node
-    [toks], [lps] = read(sampled, gather(logits, sampled, rows.logprobs), tree.tokens)  # the one sync
-    path = walk(layout, tree.tokens.tolist(), toks)
-    nodes = [0, *path]
-    compact(cache, base, path)
-    hidden = getattr(target, "hidden", None)  # [1, N, D]
-    drafter.commit_tree(path, hidden=None if hidden is None else hidden[:, nodes[-1]])
-    log.debug("tree_round", nodes=layout.size, depth=layout.depth, accepted=len(path))
-    return RoundResult([[toks[n] for n in nodes]], [len(path)], layout.depth,
-                       [None if lps is None else [lps[n] for n in nodes]])
+def greedy_rows(width: int) -> RowSampling:
+    """Draft choices of a batch: greedy top-b children (the batch loop drafts greedily)."""
+    return RowSampling([0] * width, [0.0] * width, [1.0] * width, [0] * width)
+
+
+def draft_rows(drafter, prev: mx.array, pending: mx.array, shape: TreeShape, choose, context) -> list[DraftTree]:
+    if hasattr(drafter, "draft_trees"):
+        return drafter.draft_trees(prev, pending, shape, choose, context=context)
+    return [drafter.draft_tree(prev, pending, shape, choose, context=context)]
+
+
+def commit_rows(drafter, paths: list[list[int]], hidden) -> None:
+    if hasattr(drafter, "commit_trees"):
+        drafter.commit_trees(paths, hidden=hidden)
+    else:
+        [path] = paths
+        drafter.commit_tree(path, hidden=hidden)
+
+
+def pack(trees: list[DraftTree]) -> tuple[mx.array, mx.array, mx.array]:
+    """Rows' trees padded to the largest: tokens ``[B, N]``, depths ``[B, N]``, visible
+    ``[B, N, N]``; a padding node sees only itself and is on no row's path."""
+    N = max(t.layout.size for t in trees)
+    depths = np.ones((len(trees), N), dtype=np.int32)
+    visible = np.zeros((len(trees), N, N), dtype=bool)
+    visible[:, np.arange(N), np.arange(N)] = True
+    for b, t in enumerate(trees):
+        n = t.layout.size
+        depths[b, :n] = t.layout.depths
+        visible[b, :n, :n] = t.layout.ancestry()
+    tokens = mx.stack([mx.pad(t.tokens, (0, N - t.layout.size)) for t in trees])
+    return tokens.astype(mx.int32), mx.array(depths), mx.array(visible)
+
+
+def tree_round(target, kv, drafter, pending: list[int], prev: list[int], rows: RowSampling, starts: list[int],
+               shape: TreeShape, coupled: bool = True) -> RoundResult:
+    """One round over a ``shape`` tree per row. ``kv``: the scalar loop's single-sequence
+    layer caches, or the batch loop's ``BatchKV``; it ends holding each row's root and
+    accepted path, exactly, and the drafter is committed to the paths. Coupled (one row):
+    children by the target's own noise; else greedy top-b."""
+    B = len(pending)
+    layers = kv.layers if isinstance(kv, BatchKV) else kv
+    choose = top_chooser(rows, starts[0]) if coupled and B == 1 else top_chooser(greedy_rows(B), 0)
+    trees = draft_rows(drafter, mx.array(prev, dtype=mx.int32), mx.array(pending, dtype=mx.int32), shape, choose,
+                       layers)
+    tokens, depths, visible = pack(trees)  # [B, N], [B, N], [B, N, N]
+    roots = kv.lengths() if isinstance(kv, BatchKV) else [layers[0].offset]  # the roots' RoPE positions
+    logits = target.forward_tree(tokens, layers, mx.array(roots)[:, None] + depths, visible)  # [B, N, V]
+    sampled = sample(logits, rows, mx.array(starts)[:, None] + depths)  # [B, N]: the target's token after each node
+    toks, lps = read(sampled, gather(logits, sampled, rows.logprobs), tokens)  # the one sync
+    drafted = tokens.tolist()
+    paths = [walk(t.layout, drafted[b][:t.layout.size], toks[b]) for b, t in enumerate(trees)]
+    if isinstance(kv, BatchKV):
+        compact_rows(kv, roots, paths)
+    else:
+        compact(layers, roots[0], paths[0])
+    last = [p[-1] if p else 0 for p in paths]
+    hidden = getattr(target, "hidden", None)  # [B, N, D]
+    commit_rows(drafter, paths, None if hidden is None else hidden[mx.arange(B), mx.array(last)])
+    nodes = [[0, *p] for p in paths]
+    log.debug("tree_round", rows=B, nodes=[t.layout.size for t in trees], accepted=[len(p) for p in paths])
+    return RoundResult([[toks[b][n] for n in ns] for b, ns in enumerate(nodes)], [len(p) for p in paths],
+                       max(t.layout.depth for t in trees),
+                       [None if lp is None else [lp[n] for n in ns] for lp, ns in zip(lps, nodes)])

@@ -59,23 +59,40 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def merge(paths: list[Path]) -> dict:
+    """Several runs' results as one report: each suite from the last run that has it (its
+    file, k and cap noted beside it), machine and pair from the last run."""
+    merged: dict = {"suites": {}}
+    for path in paths:
+        got = json.loads(Path(path).read_text())
+        merged.update({k: v for k, v in got.items() if k not in ("suites", "failed")})
+        for name, suite in got["suites"].items():
+            merged["suites"][name] = {**suite, "source": f"{Path(path).name}, k = {got['k']}, cap = {got['cap']}"}
+    merged["k"] = merged["cap"] = "per suite"
+    return merged
+
+
 def markdown(results: dict, images: list[Path], doc: Path) -> str:
     m = results["machine"]
     parts = ["# Benchmarks", "",
              f"Measured by `specbatch bench` on {m['platform']}, {m['cpus']} CPUs, device {m['device']}, "
-             f"BLAS: {m['blas']}, MLX {m['mlx']}. Target `{results['target']}`, drafter `{results['drafter']}`, "
-             f"k = {results['k']}, cap = {results['cap']}. Systems are interleaved within each repeat and "
-             "medians reported: this machine is shared and noisy, so read ratios, not absolute numbers.", ""]
+             f"BLAS: {m['blas']}, MLX {m['mlx']}. Target `{Path(results['target']).name}`, drafter "
+             f"`{Path(str(results['drafter'])).name}`, k = {results['k']}, cap = {results['cap']}. Systems are "
+             "interleaved within each repeat and medians reported: this machine is shared and noisy, so read "
+             "ratios, not absolute numbers.", ""]
     for name, suite in results["suites"].items():
-        parts += [f"## {name}", "", _table(suite["rows"]), ""]
-        for extra in ("summary", "throughput_ratios", "soak", "soak_again", "note"):
+        parts += [f"## {name}", ""]
+        if "source" in suite:
+            parts += [f"From `{suite['source']}`.", ""]
+        parts += [_table(suite["rows"]), ""] if suite["rows"] else []
+        for extra in ("summary", "throughput_ratios", "soak", "soak_again", "note", "skipped"):
             if extra in suite:
                 parts += [f"{extra}: `{json.dumps(suite[extra])}`", ""]
     parts += [f"![{p.stem}]({Path('..') / p})" for p in images]
     return "\n".join(parts) + "\n"
 
 
-def write_report(results: dict, results_path: Path, doc: Path = Path("docs/benchmarks.md")) -> None:
+def write_report(results: dict, results_path, doc: Path = Path("docs/benchmarks.md")) -> None:
     try:
         images = plots(results, Path("bench/plots"))
     except ImportError:

@@ -35,6 +35,11 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 
 def run_bench(args) -> int:
+    if getattr(args, "report_from", None):
+        from .report import merge, write_report
+        paths = [Path(p) for p in args.report_from.split(",")]
+        write_report(merge(paths), ", ".join(f"bench/results/{p.name}" for p in paths))
+        return 0
     suites = SUITES
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype,
                                         speculative_width_cap=args.speculative_width_cap,
