@@ -238,3 +238,35 @@ def test_batch_tree_config_width_and_temperature_limits(fakes):
             assert run.tokens[rid] == run_plain(target, prompt, max_tokens=params.max_tokens,
                                                 temperature=params.temperature, seed=params.seed,
                                                 ignore_eos=True), temps
+
+
+def test_pick_batch_tree_keeps_the_narrow_winner_while_it_wins():
+    from specbatch.tools.calibrate_tree import pick_batch_tree
+
+    def row(plain, chain, tree, other=0.0):
+        return {"plain": {"tok_s": plain}, "chain k=1": {"tok_s": chain}, "tree 2,1": {"tok_s": tree},
+                "tree 3,2,1@0.1": {"tok_s": other}}
+    wins = {0.0: row(10, 12, 14), 0.7: row(10, 12, 12.1)}
+    assert pick_batch_tree({2: wins, 4: {0.0: row(10, 12, 13)}}, 0.03) == BatchTree("2,1", 4, 0.0)
+    assert pick_batch_tree({2: wins, 4: {0.0: row(10, 12, 12, 14)}}, 0.03) == BatchTree("2,1", 2, 0.0)  # another wins at 4
+    assert pick_batch_tree({2: {0.0: row(10, 12, 12.2)}, 4: wins}, 0.03) is None  # within the margin at 2
+    assert pick_batch_tree({}, 0.03) is None
+
+
+def test_batch_tree_depth_raises_the_schedule_up_to_its_width_and_load_pair_reads_it(tmp_path, monkeypatch,
+                                                                                     model_dir):
+    import json
+
+    from specbatch.runtime.calibration import machine_key, pair_key
+    from specbatch.runtime.config import load_pair
+    from specbatch.runtime.schedule import Band, DraftSchedule
+    from specbatch.tools.calibrate_tree import with_tree_depth
+    schedule = DraftSchedule([1, 2, 4, 8], [Band(0.0, [1, 1, 1, 0]), Band(0.7, [0, 1, 1, 0])])
+    raised = with_tree_depth(schedule, TreeShape([2, 1, 1]), 0.0, max_width=4)
+    assert [b.k for b in raised.bands] == [(3, 3, 3, 0), (0, 1, 1, 0)]
+    path = tmp_path / "calibration.json"
+    entry = {"k": 1, "cap": 4, "batch_tree": {"shape": "3,2,1@0.1", "max_width": 2, "max_temperature": 0.0}}
+    path.write_text(json.dumps({machine_key(): {pair_key(str(model_dir["llama"]), "ngram"): entry}}))
+    monkeypatch.setenv("SPECBATCH_CALIBRATION", str(path))
+    _, _, config = load_pair(str(model_dir["llama"]), drafter="ngram")
+    assert config.batch_tree == BatchTree("3,2,1@0.1", 2, 0.0) and config.tree_shape is None

@@ -201,7 +201,8 @@ def _measuring_parsers(sub) -> None:
     c = sub.add_parser("calibrate", help="measure the prefill chunk for the target, and the draft length per "
                                          "width and temperature for this pair on this machine (the schedule; "
                                          "its widest k > 0 is the cap)")
-    c.add_argument("--measure", default="all", choices=["all", "prefill", "schedule"])
+    c.add_argument("--measure", default="all", choices=["all", "prefill", "schedule", "trees"],
+                   help="trees: only the tree shapes, on the pair's stored chain schedule")
     c.add_argument("--prefill-chunks", default="16,32,48,64,96,128,192,256,384,512",
                    help="prefill chunk sizes to time")
     c.add_argument("--prefill-gap", type=float, default=6.0,

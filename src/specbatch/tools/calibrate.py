@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..runtime.calibration import machine_key, pair_key, store
+from ..runtime.calibration import lookup, machine_key, pair_key, store, store_fields
 from ..runtime.schedule import Band, DraftSchedule
 from .bench.harness import Context, code_prompts, engine_tok_s
 from .calibrate_prefill import calibrate_prefill
@@ -57,7 +57,8 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
 
 
 def run_calibrate(args) -> int:
-    """``--measure``: the prefill chunk (target only), the draft-length schedule, or both."""
+    """``--measure``: the prefill chunk (target only), the draft-length schedule (and the
+    trees after it), the trees alone (on the stored schedule), or all of it."""
     from ..runtime.config import load_pair
 
     measure = getattr(args, "measure", "all")
@@ -65,30 +66,50 @@ def run_calibrate(args) -> int:
                                         num_draft_tokens=max(int(k) for k in args.draft_lengths.split(",")),
                                         speculative_width_cap=0, draft_schedule=None,
                                         speculation=measure != "prefill",
-                                        tree_shape=None)  # chains: the schedule is measured on chains
-    if measure != "schedule":
+                                        tree_shape=None, batch_tree=None)  # the schedule is measured on chains
+    if measure in ("all", "prefill"):
         calibrate_prefill(target, args)
         if measure == "prefill":
             return 0
     if drafter is None:
         raise ValueError("calibration needs a drafter")
-    widths = [int(w) for w in args.widths.split(",")]
-    ctx = Context(target, drafter, config, widths, args.tokens, args.repeats)
-    try:
-        schedule, table = measure_schedule(ctx, code_prompts(target.tokenizer, max(widths)), args)
-    finally:
-        ctx.close()
-    extra = {}
+    if measure == "trees":
+        schedule = lookup(target.name, drafter.name, "chain_schedule", DraftSchedule.from_json) or \
+            lookup(target.name, drafter.name, "schedule", DraftSchedule.from_json)
+        if schedule is None:
+            raise ValueError("no stored schedule for this pair: run `specbatch calibrate --measure schedule` first")
+        table = None
+    else:
+        widths = [int(w) for w in args.widths.split(",")]
+        ctx = Context(target, drafter, config, widths, args.tokens, args.repeats)
+        try:
+            schedule, table = measure_schedule(ctx, code_prompts(target.tokenizer, max(widths)), args)
+        finally:
+            ctx.close()
+    chains, extra = schedule, {"chain_schedule": schedule.to_json()}
     if getattr(args, "tree_shapes", ""):
-        shape, hottest, measured = measure_trees(target, drafter, config, schedule, args)
-        extra = {"tree": None if shape is None else str(shape), "tree_max_temperature": hottest,
-                 "tree_measured": measured}
-        if shape is not None:
-            schedule = with_tree_depth(schedule, shape, hottest)
-        print(f"width-1 tree: {shape or 'chain'}" + (f" up to T={hottest}" if shape else ""))
-    path = store(target.name, drafter.name, schedule, table, extra)
-    print(f"schedule {schedule.to_json()}, cap = {schedule.cap()}; written to {path} "
+        schedule, trees = calibrate_trees(target, drafter, config, schedule, args)
+        extra.update(trees)
+    if table is None:  # trees alone: the stored schedule's measurements stay
+        path = store_fields(target.name, drafter.name, {"schedule": schedule.to_json(), "cap": schedule.cap(),
+                                                        "k": max(1, schedule.max_k()), **extra})
+    else:
+        path = store(target.name, drafter.name, schedule, table, extra)
+    print(f"schedule {schedule.to_json()} (chains: {chains.to_json()}), cap = {schedule.cap()}; written to {path} "
           f"for {machine_key()} / {pair_key(target.name, drafter.name)}")
     if schedule.max_k() == 0:
         print("speculation does not pay for this pair here: it will decode plain")
     return 0
+
+
+def calibrate_trees(target, drafter, config, schedule: DraftSchedule, args) -> tuple[DraftSchedule, dict]:
+    """The measured trees (width 1, batches) and the schedule raised to their depths."""
+    shape, hottest, batch, measured = measure_trees(target, drafter, config, schedule, args)
+    if shape is not None:
+        schedule = with_tree_depth(schedule, shape, hottest)
+    if batch is not None:
+        schedule = with_tree_depth(schedule, batch.shape, batch.max_temperature, batch.max_width)
+    print(f"width-1 tree: {shape or 'chain'}" + (f" up to T={hottest}" if shape else ""))
+    print(f"batch tree: {batch.to_json() if batch else 'chains'}")
+    return schedule, {"tree": None if shape is None else str(shape), "tree_max_temperature": hottest,
+                      "batch_tree": None if batch is None else batch.to_json(), "tree_measured": measured}

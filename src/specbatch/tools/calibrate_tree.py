@@ -1,11 +1,13 @@
-"""Choosing the width-1 tree shape by measurement (``specbatch calibrate``, after the
+"""Choosing tree shapes by measurement (``specbatch calibrate``, after the
 draft-length schedule).
 
 At width 1 plain decoding, the schedule's chain and each candidate tree decode the same
 held-out chat prompts side by side (``bench_tree``), at each temperature. A tree is kept
 only if it has the most tokens/s at temperature 0 and beats both plain and the chain by
 ``margin``; it serves requests up to the hottest temperature (in order) where it still
-does. Wider batches keep chains: the batch loop verifies chains only.
+does. Batches of 2 and 4 (where the schedule speculates) are measured the same way, a
+tree per row against chains: a tree that wins at the narrowest serves batches up to the
+widest width where it still wins (``BatchTree``); elsewhere batches draft chains.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import attrs
 
 from ..runtime.schedule import Band, DraftSchedule
-from ..runtime.tree_shape import TreeShape
+from ..runtime.tree_shape import BatchTree, TreeShape
 
 # static trees, and dynamic ones (``@s``: nodes whose drafted path score reaches s, within the bound)
 CANDIDATES = "2,1;4,1;2,1,1;3,2,1@0.08;3,2,1@0.15;2,2,2@0.1;2,1,1,1@0.2"
@@ -51,35 +53,60 @@ def pick_tree(results: dict, margin: float) -> tuple[TreeShape | None, float | N
     return TreeShape.parse(best[len("tree "):]), hottest
 
 
-def with_tree_depth(schedule: DraftSchedule, shape: TreeShape, max_temperature: float) -> DraftSchedule:
-    """The schedule with width 1 drafting at least the tree's depth in every band up to
-    ``max_temperature`` (the engine cuts a tree to the round's draft length)."""
+def pick_batch_tree(by_width: dict, margin: float) -> BatchTree | None:
+    """``by_width[w]``: ``pick_tree``'s results at batch width ``w``. The tree that wins at
+    the narrowest width, kept up to the widest consecutive width where it still wins."""
+    widths = sorted(by_width)
+    shape, hottest = pick_tree(by_width[widths[0]], margin) if widths else (None, None)
+    if shape is None:
+        return None
+    top = widths[0]
+    for w in widths[1:]:
+        if pick_tree(by_width[w], margin)[0] != shape:
+            break
+        top = w
+    return BatchTree(shape, max_width=top, max_temperature=hottest)
+
+
+def with_tree_depth(schedule: DraftSchedule, shape: TreeShape, max_temperature: float,
+                    max_width: int = 1) -> DraftSchedule:
+    """The schedule with widths up to ``max_width`` drafting at least the tree's depth in
+    every band up to ``max_temperature`` (the engine cuts a tree to the round's draft length)."""
     bands = []
     for band in schedule.bands:
         k = list(band.k)
         if band.max_temperature <= max_temperature + 1e-9:
-            k[0] = max(k[0], shape.depth)
+            k = [max(kw, shape.depth) if w <= max_width else kw for w, kw in zip(schedule.widths, k)]
         bands.append(Band(band.max_temperature, k))
     return attrs.evolve(schedule, bands=bands)
 
 
-def measure_trees(target, drafter, config, schedule: DraftSchedule, args) -> tuple[TreeShape | None, float | None, dict]:
-    """Measure plain, the schedule's width-1 chain and each candidate tree at width 1."""
-    from .bench.tree import chat_prompts, systems, width1_runs
-    k = schedule.draft_length(1, 0.0) or max(int(k) for k in args.draft_lengths.split(","))
+def measure_trees(target, drafter, config, schedule: DraftSchedule, args) -> tuple:
+    """Plain, the schedule's width-1 chain and each candidate tree, at width 1 and at each
+    batch width where the schedule speculates (a tree per row, for drafters that draft
+    one). Returns (width-1 shape or None, its hottest temperature, a ``BatchTree`` or
+    None, the table of what was measured)."""
     from ..kernels.drafters.mtp import MTPHead
+    from ..kernels.drafters.ngram import NGramSource
+    from .bench.tree import BATCH_WIDTHS, chat_prompts, systems, width_runs
+    k = schedule.draft_length(1, 0.0) or max(int(k) for k in args.draft_lengths.split(","))
     engines = systems(target, drafter, config, k, candidates(args.tree_shapes, isinstance(drafter, MTPHead)))
-    prompts = chat_prompts(target.tokenizer, args.tree_prompts)
-    results, table = {}, {}
+    batched = isinstance(drafter, (MTPHead, NGramSource))
+    widths = [1] + [w for w in BATCH_WIDTHS if batched and schedule.draft_length(w, 0.0) > 0]
+    prompts = chat_prompts(target.tokenizer, max(args.tree_prompts, *widths))
+    results, table = {w: {} for w in widths}, {}
     try:
-        for t in TEMPERATURES:
-            results[t] = width1_runs(engines, prompts, args.tokens, t, args.repeats)
-            table[f"T={t} width=1"] = {name: {key: round(v, 3) for key, v in m.items()}
-                                       for name, m in results[t].items()}
-            print(f"T={t:.2f} width 1: " + ", ".join(f"{name} {m['tok_s']:.1f} ({m['tokens_per_round']:.2f}/round)"
-                                                    for name, m in results[t].items()), flush=True)
+        for w in widths:
+            for t in TEMPERATURES:
+                got = results[w][t] = width_runs(engines, prompts[:max(args.tree_prompts, w)], args.tokens, t,
+                                                 args.repeats, w)
+                table[f"T={t} width={w}"] = {name: {key: round(v, 3) for key, v in m.items()}
+                                             for name, m in got.items()}
+                print(f"T={t:.2f} width {w}: " + ", ".join(f"{name} {m['tok_s']:.1f} ({m['tokens_per_round']:.2f}"
+                                                          f"/round)" for name, m in got.items()), flush=True)
     finally:
         for engine in engines.values():
             engine.close()
-    shape, hottest = pick_tree(results, args.margin)
-    return shape, hottest, table
+    shape, hottest = pick_tree(results[1], args.margin)
+    batch = pick_batch_tree({w: r for w, r in results.items() if w > 1}, args.margin)
+    return shape, hottest, batch, table
