@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=4, help="held-out chat prompts")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperatures", default="0", help="comma-separated; seeded, so streams must match")
+    ap.add_argument("--tree", default="chain", help="the width-1 tree (e.g. 2,1,1,1@0.2); chain: k-long chains")
     ap.add_argument("--out", default=None, help="append the JSON lines here too")
     args = ap.parse_args()
     target = dc.load_target()
@@ -69,11 +70,12 @@ def main() -> None:
     with Engine.from_pretrained(speculation=False) as plain, \
             Engine.from_pretrained(draft_model=args.draft_model, drafter=args.drafter, num_draft_tokens=args.k,
                                    speculative_width_cap=1, draft_schedule=None, max_spec_temperature=None,
-                                   adaptive_k=False) as spec:
+                                   adaptive_k=False, tree_shape=args.tree, tree_max_temperature=None) as spec:
         for engine in (plain, spec):
             one(engine, prompts[0], 8, 0.0, 0)  # warm-up
         for temperature in (float(x) for x in args.temperatures.split(",")):
-            res = {"drafter": args.drafter, "draft_model": args.draft_model, "k": args.k, "prompts": args.n,
+            res = {"drafter": args.drafter, "draft_model": args.draft_model, "k": args.k, "tree": args.tree,
+                   "prompts": args.n,
                    **compare(plain, spec, prompts, args.max_tokens, temperature)}
             print(json.dumps(res), flush=True)
             if args.out:

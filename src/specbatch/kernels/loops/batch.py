@@ -164,7 +164,8 @@ class BatchLoop:
             return self.plain_round(successor=False)
         pending, prev, starts = [r.pending for r in self.rows], [r.prev for r in self.rows], \
             [r.request.emitted for r in self.rows]
-        shape = self._tree_at(k)
+        # a tree adapts by its shape, as calibrated: the adaptive chain length does not cut it
+        shape = self._tree_at(min(self.k, max(r.request.remaining for r in self.rows) - 1))
         if shape is not None:  # the tree round compacts the KV and commits the drafter itself
             result = tree_round(self.target, self.kv, self.drafter, pending, prev, self._rows_sampling(), starts,
                                 shape, coupled=False)
@@ -174,7 +175,7 @@ class BatchLoop:
             back = [k - a for a in result.accepted]
             self.kv.trim_rows(back)
             self.drafter.rollback(back, hidden=bonus_hidden(self.target, result.accepted))
-        if self.adaptive:
+        if self.adaptive and shape is None:
             self.k_now = next_k(self.k_now, self.k, result)
         out = RoundOutput(verify=result, verified=[r.request for r in self.rows], round=True)
         for i, (row, run) in enumerate(zip(self.rows, result.emitted)):

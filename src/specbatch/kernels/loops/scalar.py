@@ -110,9 +110,13 @@ class ScalarLoop:
         if self.drafter is None or k < 1:
             self._plain()
             return
-        if self._tree_at(k):
+        # a tree adapts by its shape (pruned by drafted probability), as calibrated: the
+        # adaptive chain length does not cut it
+        tree_k = min(self.k, self.request.remaining - 1)
+        tree = self._tree_at(tree_k)
+        if tree:
             result = tree_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
-                                [self.request.emitted], self.tree.cut(k))
+                                [self.request.emitted], self.tree.cut(tree_k))
         else:
             result = spec_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
                                 [self.request.emitted], k, self.verify, coupled=True)
@@ -120,7 +124,7 @@ class ScalarLoop:
             for c in self.cache:
                 c.trim(k - a)
             self.drafter.rollback([k - a], hidden=bonus_hidden(self.target, result.accepted))
-        if self.adaptive:
+        if self.adaptive and not tree:
             self.k_now = next_k(self.k_now, self.k, result)
         run = result.emitted[0]
         self.prev, self.pending = (run[-2] if len(run) > 1 else self.pending), run[-1]
