@@ -35,7 +35,7 @@ def suite_scalar(ctx) -> dict:
     prompt = code_prompts(ctx.target.tokenizer, 1)
     plain = ctx.engine(speculation=False)
     # speculate at every temperature with k drafts, whatever the calibration says: what it does
-    always = dict(max_spec_temperature=None, draft_schedule=None)
+    always = ctx.always()
     modes = {"coupled": ctx.engine(speculative_width_cap=1, **always),
              "rejection": ctx.engine(speculative_width_cap=1, verify="rejection", **always),
              "specbatch": ctx.engine()}  # the calibrated policy: plain where speculation loses
@@ -85,7 +85,7 @@ def suite_widths(ctx) -> dict:
     """Width sweep: plain batching, always-speculate batching, specbatch with its cap."""
     prompts = code_prompts(ctx.target.tokenizer, max(ctx.widths))
     engines = {"plain": ctx.engine(speculation=False),
-               "always_spec": ctx.engine(speculative_width_cap=0, max_spec_temperature=None, draft_schedule=None),
+               "always_spec": ctx.engine(**ctx.always(speculative_width_cap=0)),
                "specbatch": ctx.engine()}
     rows = []
     for width in tqdm(ctx.widths, desc="widths", unit="width"):

@@ -124,10 +124,10 @@ def acceptance(before: dict, after: dict) -> float:
 class Context:
     """What every suite needs: the pair, the sizes, and engines built on demand."""
 
-    def __init__(self, target, drafter, config, widths, tokens, repeats):
+    def __init__(self, target, drafter, config, widths, tokens, repeats, k: int | None = None):
         self.target, self.drafter, self.config = target, drafter, config
         self.widths, self.tokens, self.repeats = widths, tokens, repeats
-        self.k = config.num_draft_tokens
+        self.k = k or config.num_draft_tokens  # the chain length of "always speculate" engines
         self.serving_requests = 12
         self.rates = {"low": 0.5, "medium": 1.5, "saturating": 6.0}  # requests per second
         self.request_timeout = 120.0  # seconds a serving request may take before it is cut
@@ -143,6 +143,12 @@ class Context:
         engine_tok_s(engine, code_prompts(self.target.tokenizer, 2), 8)  # warm up
         self._engines.append(engine)
         return engine
+
+    def always(self, **more) -> dict:
+        """Overrides for an engine that speculates with chains of ``k`` whatever the
+        calibration says (no schedule, no temperature limit, no trees)."""
+        return {"max_spec_temperature": None, "draft_schedule": None, "num_draft_tokens": self.k,
+                "tree_shape": None, "batch_tree": None, **more}
 
     def close(self) -> None:
         for engine in self._engines:

@@ -34,6 +34,15 @@ def print_table(title: str, rows: list[dict]) -> None:
         print(" | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in cells))
 
 
+def chain_k(target, drafter) -> int | None:
+    """The longest chain the pair's calibrated schedule drafts (trees raise the stored k to
+    their depth; "always speculate" baselines draft chains of this)."""
+    from ...runtime.calibration import lookup
+    from ...runtime.schedule import DraftSchedule
+    chains = lookup(target.name, drafter.name, "chain_schedule", DraftSchedule.from_json) if drafter else None
+    return max(1, chains.max_k()) if chains is not None else None
+
+
 def run_bench(args) -> int:
     if getattr(args, "report_from", None):
         from .report import merge, write_report
@@ -47,7 +56,8 @@ def run_bench(args) -> int:
                                         prefill_chunk=getattr(args, "prefill_chunk", None),
                                         chunked_prefill=getattr(args, "chunked_prefill", True),
                                         **({"tree_shape": args.tree_shape} if getattr(args, "tree_shape", None) else {}))
-    ctx = Context(target, drafter, config, [int(w) for w in args.widths.split(",")], args.tokens, args.repeats)
+    ctx = Context(target, drafter, config, [int(w) for w in args.widths.split(",")], args.tokens, args.repeats,
+                  k=args.num_draft_tokens or chain_k(target, drafter))
     ctx.long_prompt_tokens, ctx.long_arrivals = args.long_prompt_tokens, args.long_arrivals
     results = {"machine": machine(), "target": target.name, "drafter": getattr(drafter, "name", None),
                "k": config.num_draft_tokens, "cap": config.speculative_width_cap, "suites": {}}

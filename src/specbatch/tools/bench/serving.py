@@ -98,8 +98,7 @@ def suite_memory(ctx) -> dict:
     """KV bytes per row (allocated vs needed) by width, speculation's extra, and a soak."""
     from .harness import code_prompts
     prompts = code_prompts(ctx.target.tokenizer, max(ctx.widths))
-    plain, spec = ctx.engine(speculation=False), ctx.engine(speculative_width_cap=0, max_spec_temperature=None,
-                                                            draft_schedule=None)
+    plain, spec = ctx.engine(speculation=False), ctx.engine(**ctx.always(speculative_width_cap=0))
     rows = []
     for width in tqdm(ctx.widths, desc="memory", unit="width"):
         p, s = _peak_during(plain, prompts[:width], ctx.tokens), _peak_during(spec, prompts[:width], ctx.tokens)
