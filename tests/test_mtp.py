@@ -8,7 +8,7 @@ from helpers import make_request, run_batch, run_plain, run_scalar
 from test_properties import run_schedules
 
 from specbatch import Engine, SamplingParams
-from specbatch.kernels.drafters.mtp import MTPDrafter, MTPHead, head_config, save_head
+from specbatch.kernels.drafters.mtp import MTPDrafter, MTPHead, save_head
 from specbatch.kernels.drafters.mtp_checkpoint import load_head
 from specbatch.kernels.loops.batch import BatchLoop
 from specbatch.kernels.loops.scalar import ScalarLoop
@@ -19,11 +19,8 @@ PROMPTS = ["def f(x):", "import os\n", "class A:\n    pass\n", "x = 1", "# c\n" 
 
 
 @pytest.fixture(scope="module")
-def head(tiny):
-    mx.random.seed(3)
-    h = MTPHead(head_config(tiny.model.args, intermediate_size=64))
-    mx.eval(h.parameters())
-    return h
+def head(mtp_head):
+    return mtp_head  # conftest's random head over the tiny llama
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
