@@ -270,3 +270,25 @@ def test_batch_tree_depth_raises_the_schedule_up_to_its_width_and_load_pair_read
     monkeypatch.setenv("SPECBATCH_CALIBRATION", str(path))
     _, _, config = load_pair(str(model_dir["llama"]), drafter="ngram")
     assert config.batch_tree == BatchTree("3,2,1@0.1", 2, 0.0) and config.tree_shape is None
+
+
+def test_a_tree_winner_must_win_again_on_fresh_prompts(monkeypatch):
+    """``confirmed`` measures plain, the chain and the winner once more; the pick stands
+    only if the winner still beats both by the margin."""
+    import types
+
+    import specbatch.tools.bench.tree as bench_tree
+    from specbatch.tools.calibrate_tree import confirmed
+    engines = {"plain": None, "chain k=1": None, "tree 2,1": None, "tree 4,1": None}
+    seen = {}
+
+    def fake_runs(chosen, prompts, tokens, t, repeats, width):
+        seen["systems"], seen["width"] = sorted(chosen), width
+        return {name: {"tok_s": speeds[name], "tokens_per_round": 1.0} for name in chosen}
+    monkeypatch.setattr(bench_tree, "width_runs", fake_runs)
+    args, table = types.SimpleNamespace(tokens=8, repeats=1, margin=0.03), {}
+    speeds = {"plain": 10.0, "chain k=1": 12.0, "tree 2,1": 13.0}
+    assert confirmed(engines, TreeShape.parse("2,1"), [], args, 2, table)
+    assert seen == {"systems": ["chain k=1", "plain", "tree 2,1"], "width": 2} and "confirm T=0.0 width=2" in table
+    speeds["tree 2,1"] = 12.1  # within the margin of the chain on the fresh prompts
+    assert not confirmed(engines, TreeShape.parse("2,1"), [], args, 2, table)

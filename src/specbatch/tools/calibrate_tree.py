@@ -7,7 +7,8 @@ only if it has the most tokens/s at temperature 0 and beats both plain and the c
 ``margin``; it serves requests up to the hottest temperature (in order) where it still
 does. Batches of 2 and 4 (where the schedule speculates) are measured the same way, a
 tree per row against chains: a tree that wins at the narrowest serves batches up to the
-widest width where it still wins (``BatchTree``); elsewhere batches draft chains.
+widest width where it still wins (``BatchTree``); elsewhere batches draft chains. A
+winner is kept only if it wins again on fresh prompts against plain and the chain.
 """
 
 from __future__ import annotations
@@ -93,20 +94,42 @@ def measure_trees(target, drafter, config, schedule: DraftSchedule, args) -> tup
     engines = systems(target, drafter, config, k, candidates(args.tree_shapes, isinstance(drafter, MTPHead)))
     batched = isinstance(drafter, (MTPHead, NGramSource))
     widths = [1] + [w for w in BATCH_WIDTHS if batched and schedule.draft_length(w, 0.0) > 0]
-    prompts = chat_prompts(target.tokenizer, max(args.tree_prompts, *widths))
+    n = max(args.tree_prompts, *widths)
+    prompts = chat_prompts(target.tokenizer, 2 * n)  # the second half confirms a winner
     results, table = {w: {} for w in widths}, {}
     try:
         for w in widths:
             for t in TEMPERATURES:
-                got = results[w][t] = width_runs(engines, prompts[:max(args.tree_prompts, w)], args.tokens, t,
-                                                 args.repeats, w)
-                table[f"T={t} width={w}"] = {name: {key: round(v, 3) for key, v in m.items()}
-                                             for name, m in got.items()}
-                print(f"T={t:.2f} width {w}: " + ", ".join(f"{name} {m['tok_s']:.1f} ({m['tokens_per_round']:.2f}"
-                                                          f"/round)" for name, m in got.items()), flush=True)
+                got = results[w][t] = width_runs(engines, prompts[:n], args.tokens, t, args.repeats, w)
+                table[f"T={t} width={w}"] = _rounded(got)
+                _show(f"T={t:.2f} width {w}", got)
+        shape, hottest = pick_tree(results[1], args.margin)
+        batch = pick_batch_tree({w: r for w, r in results.items() if w > 1}, args.margin)
+        if shape is not None and not confirmed(engines, shape, prompts[n:], args, 1, table):
+            shape = hottest = None
+        if batch is not None and not confirmed(engines, batch.shape, prompts[n:], args, min(widths[1:]), table):
+            batch = None
     finally:
         for engine in engines.values():
             engine.close()
-    shape, hottest = pick_tree(results[1], args.margin)
-    batch = pick_batch_tree({w: r for w, r in results.items() if w > 1}, args.margin)
     return shape, hottest, batch, table
+
+
+def confirmed(engines: dict, shape: TreeShape, prompts, args, width: int, table: dict) -> bool:
+    """The winner measured again on fresh prompts against plain and the chain (T = 0): a
+    pick among many candidates is biased upward (a 4-prompt pick lost on 20 others)."""
+    from .bench.tree import width_runs
+    names = ["plain", *[name for name in engines if name.startswith("chain ")], f"tree {shape}"]
+    got = width_runs({name: engines[name] for name in names}, prompts, args.tokens, 0.0, args.repeats, width)
+    table[f"confirm T=0.0 width={width}"] = _rounded(got)
+    _show(f"confirm width {width}", got)
+    return pick_tree({0.0: got}, args.margin)[0] == shape
+
+
+def _rounded(got: dict) -> dict:
+    return {name: {key: round(v, 3) for key, v in m.items()} for name, m in got.items()}
+
+
+def _show(title: str, got: dict) -> None:
+    print(f"{title}: " + ", ".join(f"{name} {m['tok_s']:.1f} ({m['tokens_per_round']:.2f}/round)"
+                                  for name, m in got.items()), flush=True)

@@ -16,6 +16,24 @@ QUESTIONS = [
     "How does a hash table handle collisions?",
     "Summarise the plot of a typical detective story in three sentences.",
     "What should I check before buying a used car?",
+    # more (calibration measures 12 and confirms a winner on 12 others); topics kept out of
+    # the drafters' training templates
+    "How do I politely decline a meeting invitation at work? Give an example message.",
+    "Write a SQL query that finds the ten customers with the highest total order value.",
+    "Why does bread go stale, and how can I keep it fresh longer?",
+    "Compare walking and cycling as ways to commute five kilometres to work.",
+    "What is the difference between a virus and a bacterium?",
+    "Plan a simple three-day menu for someone learning to cook.",
+    "How do noise-cancelling headphones work?",
+    "Explain what a Python decorator is and show a small example.",
+    "What are good habits for keeping a houseplant alive?",
+    "Describe how a bill becomes a law in a parliamentary system.",
+    "Write a short cover letter opening for a junior data analyst job.",
+    "Why do cats purr?",
+    "How should I prepare for a job interview the night before?",
+    "Explain the difference between latency and throughput with an everyday analogy.",
+    "What causes the seasons on Earth?",
+    "Give three tips for writing clear email subject lines.",
 ]
 
 CODE = [
