@@ -277,6 +277,15 @@ class BatchKV:
     def extract(self, row: int) -> list[KVCache]:
         return [layer.extract(row) for layer in self.layers]
 
+    def move_tokens(self, rows: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy token ``src[i]`` of row ``rows[i]`` to its position ``dst[i]``, every layer."""
+        r = mx.array(rows)
+        for layer in self.layers:
+            cs = mx.array([layer.starts[b] + c for b, c in zip(rows, src)])
+            cd = mx.array([layer.starts[b] + c for b, c in zip(rows, dst)])
+            layer.keys[r, :, cd] = layer.keys[r, :, cs]  # [moved, H, D]
+            layer.values[r, :, cd] = layer.values[r, :, cs]
+
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)

@@ -236,6 +236,15 @@ class PagedKV(BatchKV):
                 mine.vpool.write(dst, values.transpose(0, 2, 1, 3).reshape(B2 * C, -1)[src])
             mine.ends = mine.ends + lengths
 
+    def move_tokens(self, rows: list[int], src: list[int], dst: list[int]) -> None:
+        """Copy token ``src[i]`` of row ``rows[i]`` to its position ``dst[i]``: slot moves,
+        once per layer's pools (the table is shared)."""
+        s, d = mx.array(self.table.slots_of(rows, src)), mx.array(self.table.slots_of(rows, dst))
+        for layer in self.layers:
+            if layer.kpool is not None:
+                layer.kpool.move(s, d)
+                layer.vpool.move(s, d)
+
     def arrays(self) -> list[mx.array]:
         return [p for layer in self.layers if layer.kpool is not None
                 for p in layer.kpool.parts + layer.vpool.parts]

@@ -125,23 +125,9 @@ def compact_rows(kv, roots: list[int], paths: list[list[int]]) -> None:
     the same ``N`` columns per row: row b keeps its root (token position ``roots[b]``) and
     its path, moved to follow the root, and ends at ``roots[b] + len(paths[b]) + 1``."""
     rows, src, dst = path_moves(roots, paths)
-    table = getattr(kv, "table", None)
-    if rows and table is not None:  # paged: move pool slots; every layer shares the table
-        s, d = mx.array(table.slots_of(rows, src)), mx.array(table.slots_of(rows, dst))
-        for layer in kv.layers:
-            if layer.kpool is not None:
-                layer.kpool.move(s, d)
-                layer.vpool.move(s, d)
-    elif rows:
-        r = mx.array(rows)
-        for layer in kv.layers:
-            st = layer.starts
-            cs = mx.array([st[b] + c for b, c in zip(rows, src)])
-            cd = mx.array([st[b] + c for b, c in zip(rows, dst)])
-            layer.keys[r, :, cd] = layer.keys[r, :, cs]  # [moved, H, D]
-            layer.values[r, :, cd] = layer.values[r, :, cs]
-    held = kv.lengths()
-    kv.trim_rows([n - (root + len(path) + 1) for n, root, path in zip(held, roots, paths)])
+    if rows:
+        kv.move_tokens(rows, src, dst)
+    kv.trim_rows([n - (root + len(path) + 1) for n, root, path in zip(kv.lengths(), roots, paths)])
 
 
 def compact(cache: list, root: int, path: list[int]) -> None:

@@ -159,13 +159,14 @@ class BatchLoop:
     def spec_round(self) -> RoundOutput:
         """One armed round: draft, verify, accept, emit per row, roll back per row."""
         assert self.settled and self.armed
-        k = min(self.k_now, max(r.request.remaining for r in self.rows) - 1)
+        room = max(r.request.remaining for r in self.rows) - 1
+        k = min(self.k_now, room)
         if k < 1:
             return self.plain_round(successor=False)
         pending, prev, starts = [r.pending for r in self.rows], [r.prev for r in self.rows], \
             [r.request.emitted for r in self.rows]
         # a tree adapts by its shape, as calibrated: the adaptive chain length does not cut it
-        shape = self._tree_at(min(self.k, max(r.request.remaining for r in self.rows) - 1))
+        shape = self._tree_at(min(self.k, room))
         if shape is not None:  # the tree round compacts the KV and commits the drafter itself
             result = tree_round(self.target, self.kv, self.drafter, pending, prev, self._rows_sampling(), starts,
                                 shape, coupled=False)
