@@ -1,12 +1,20 @@
-"""Finding OpenBLAS for Linux CPU builds of MLX, and loading it in-process where that works.
+"""Finding a fast OpenBLAS the running CPU can execute, for Linux CPU builds of MLX.
 
 The ``mlx-cpu`` wheel bundles a reference BLAS: every matmul is ~10x slower and its
 cost grows linearly with batch rows, which kills the memory-bound regime that makes
-speculative decoding pay. ``cmeel-openblas`` ships a fast OpenBLAS. Preloading it
-(``LD_PRELOAD``, see :mod:`specbatch.blas`) makes MLX's BLAS calls resolve there; a plain
-``python`` that imports specbatch gets :func:`preload_in_process` instead, which works
-where the system has ``libgfortran.so.5``; where it cannot, :func:`warn_if_slow` logs
-one warning naming the fix when the first model loads.
+speculative decoding pay. ``ngsolve-openblas`` ships a ``DYNAMIC_ARCH`` OpenBLAS (it picks
+its kernels for the CPU at load time) that exports the standard cblas names, so MLX's BLAS
+calls bind to it when it is loaded first.
+
+Two safeguards keep a library off a CPU it cannot run on (a single-target build executes
+AVX-512 on a CPU without it and dies with SIGILL): before any process preloads it,
+:func:`probe` loads it and runs an ``sgemm`` in a child process and reads back the core it
+chose; the verdict is cached per library and CPU. A library that fails the probe is never
+loaded, and :func:`warn_if_slow` logs one line naming why.
+
+Preloading (``LD_PRELOAD``, see :mod:`specbatch.blas`) works from process start; a plain
+``python`` that imports specbatch gets :func:`preload_in_process`, which makes the library
+find its ``libgfortran.so.5`` beside itself (numpy's copy, linked) where the system has none.
 
 Opt out with ``SPECBATCH_NO_OPENBLAS=1``. No effect on macOS (Metal) or CUDA builds.
 """
@@ -16,14 +24,34 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import glob
+import hashlib
 import importlib.metadata
+import json
 import os
+import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
 _MARK = "SPECBATCH_BLAS_REEXEC"
 _OPT_OUT = "SPECBATCH_NO_OPENBLAS"
+
+# The child loads the library alone (no numpy, no MLX) and multiplies through cblas: a
+# kernel the CPU cannot execute kills it with SIGILL here, never in the caller.
+_PROBE = r"""
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+lib.openblas_get_corename.restype = ctypes.c_char_p
+lib.openblas_get_config.restype = ctypes.c_char_p
+for m, n, k in ((1, 64, 64), (8, 256, 256), (33, 67, 129)):
+    a = (ctypes.c_float * (m * k))(*([1.0] * (m * k)))
+    b = (ctypes.c_float * (k * n))(*([0.5] * (k * n)))
+    c = (ctypes.c_float * (m * n))()
+    lib.cblas_sgemm(101, 111, 111, m, n, k, ctypes.c_float(1.0), a, k, b, n,
+                    ctypes.c_float(0.0), c, n)
+    assert abs(c[m * n - 1] - 0.5 * k) < 1e-3, (m, n, k, c[m * n - 1])
+print(lib.openblas_get_corename().decode(), "|", lib.openblas_get_config().decode())
+"""
 
 
 def _site() -> Path:
@@ -46,30 +74,91 @@ def wanted(env: dict[str, str] | None = None) -> bool:
     return _has_dist("mlx-cpu") and not _has_dist("mlx-cuda")
 
 
-def openblas_path() -> Path | None:
-    hits = sorted(glob.glob(str(_site() / "cmeel.prefix" / "lib" / "libopenblas.so.0")))
+def library_path() -> Path | None:
+    """The DYNAMIC_ARCH OpenBLAS shipped by ``ngsolve-openblas``, if installed."""
+    hits = sorted(glob.glob(str(_site() / "ngsolve_openblas" / "libopenblas*.so*")))
     return Path(hits[0]) if hits else None
 
 
-def _gfortran_shim() -> Path | None:
-    """cmeel's OpenBLAS needs libgfortran.so.5; without the system one, link numpy's copy."""
-    if ctypes.util.find_library("gfortran"):
-        return None
+def cpu_flags() -> set[str]:
+    """The running CPU's feature flags (Linux ``/proc/cpuinfo``), empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _gfortran_beside(lib: Path) -> bool:
+    """Make ``libgfortran.so.5`` loadable for ``lib``: the system's, or numpy's copy linked
+    beside the library (its RPATH is ``$ORIGIN``). False where neither can be had."""
+    if ctypes.util.find_library("gfortran") or (lib.parent / "libgfortran.so.5").exists():
+        return True
     libs = _site() / "numpy.libs"
-    found = {
-        "libgfortran.so.5": sorted(libs.glob("libgfortran-*.so.5*")),
-        "libquadmath": sorted(libs.glob("libquadmath-*.so*")),
-    }
-    if not all(found.values()):
-        return None
-    shim = Path(sys.prefix) / "lib" / "specbatch-blas"
-    shim.mkdir(parents=True, exist_ok=True)
-    for link, target in [("libgfortran.so.5", found["libgfortran.so.5"][0]),
-                         (found["libquadmath"][0].name, found["libquadmath"][0])]:
-        path = shim / link
-        if not path.exists():
-            path.symlink_to(target)
-    return shim
+    fortran = sorted(libs.glob("libgfortran-*.so.5*"))
+    quad = sorted(libs.glob("libquadmath-*.so*"))
+    if not (fortran and quad):
+        return False
+    try:
+        for link, target in [("libgfortran.so.5", fortran[0]), (quad[0].name, quad[0])]:
+            if not (lib.parent / link).exists():
+                (lib.parent / link).symlink_to(target)
+    except OSError:  # a read-only site-packages: the library cannot be loaded
+        return False
+    return True
+
+
+def _cache_file() -> Path:
+    return Path(sys.prefix) / "lib" / "specbatch-blas" / "probe.json"
+
+
+def _key(lib: Path) -> str:
+    stat = lib.stat()
+    text = f"{lib}|{stat.st_size}|{stat.st_mtime_ns}|{' '.join(sorted(cpu_flags()))}"
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def probe(lib: Path | None = None) -> dict:
+    """Whether ``lib`` runs on this CPU: ``{"ok", "core", "config", "why"}``, cached per
+    library and CPU. The test happens in a child process, so a crash stays there."""
+    lib = library_path() if lib is None else lib
+    if lib is None:
+        return {"ok": False, "core": "", "config": "", "why": "ngsolve-openblas is not installed"}
+    if not _gfortran_beside(lib):
+        return {"ok": False, "core": "", "config": "", "why": "no libgfortran.so.5 for OpenBLAS"}
+    cache, key = _cache_file(), _key(lib)
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", _MARK)}
+    try:
+        out = subprocess.run([sys.executable, "-S", "-c", _PROBE, str(lib)], env=env,
+                             capture_output=True, text=True, timeout=60)
+        code, text = out.returncode, out.stdout.strip()
+        err = out.stderr.strip().splitlines()[-1:] or [""]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        code, text, err = -1, "", [str(exc)]
+    core, _, config = text.partition(" | ")
+    why = "" if code == 0 else f"probe exited {code} ({'SIGILL: ' if code == -4 else ''}{err[0]})"
+    verdict = {"ok": code == 0, "core": core.strip(), "config": config.strip(), "why": why}
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({**known, key: verdict}))
+    except OSError:
+        pass
+    return verdict
+
+
+def openblas_path() -> Path | None:
+    """The library to load, only once it has passed :func:`probe` on this CPU."""
+    lib = library_path()
+    return lib if lib is not None and probe(lib)["ok"] else None
 
 
 def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -78,10 +167,6 @@ def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
     lib = openblas_path() if wanted(env) else None
     if lib is None:
         return env
-    shim = _gfortran_shim()
-    if shim is not None:
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in [str(shim), env.get("LD_LIBRARY_PATH", "")] if p)
     preload = env.get("LD_PRELOAD", "")
     if str(lib) not in preload.split():
         env["LD_PRELOAD"] = " ".join(p for p in [str(lib), preload] if p)
@@ -93,10 +178,8 @@ _state = {"in_process": False, "warned": False}
 
 
 def preload_in_process() -> bool:
-    """Load OpenBLAS into this process before MLX, so MLX's BLAS calls bind to it.
-
-    Only works before ``mlx`` is imported, and only where the dynamic linker finds
-    OpenBLAS's ``libgfortran.so.5`` on its own (LD_LIBRARY_PATH cannot change in-process)."""
+    """Load OpenBLAS into this process before MLX, so MLX's BLAS calls bind to it
+    (only before ``mlx`` is imported)."""
     if os.environ.get(_MARK) == "1" or "mlx.core" in sys.modules or not wanted():
         return False
     lib = openblas_path()
@@ -111,9 +194,10 @@ def preload_in_process() -> bool:
 
 
 def fix_hint() -> str:
-    env = preload_env()
-    line = " ".join(f"{k}={env[k]}" for k in ("LD_LIBRARY_PATH", "LD_PRELOAD") if k in env)
-    return f"start Python as `python -m specbatch.blas your_script.py` (or `{line} python ...`)"
+    verdict = probe() if wanted() else {"ok": False, "why": "not a Linux CPU build of MLX"}
+    if not verdict["ok"]:
+        return f"no usable OpenBLAS: {verdict['why']}"
+    return "start Python as `python -m specbatch.blas your_script.py` or import specbatch before mlx"
 
 
 def warn_if_slow() -> None:
@@ -128,7 +212,8 @@ def warn_if_slow() -> None:
 
 def active_blas() -> str:
     """Which BLAS this process uses, for start-up logs."""
-    if "libopenblas" in os.environ.get("LD_PRELOAD", ""):
+    lib = library_path()
+    if lib is not None and str(lib) in os.environ.get("LD_PRELOAD", ""):
         return "openblas (preloaded)"
     if _state["in_process"]:
         return "openblas (loaded in-process)"
