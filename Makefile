@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 
 .PHONY: setup test lint test-fast demo bench calibrate serve statecharts clean drafters
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py $(wildcard src/specbatch/kernels/cpu/csrc/*)
 	python3 -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

@@ -136,6 +136,7 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
     from mlx_lm.utils import load as mlx_load
 
     from ..openblas import warn_if_slow
+    from .cpu.modules import use_cpu_kernels
     from . import gguf
 
     warn_if_slow()
@@ -158,9 +159,10 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
         dequantize_model(model)  # no-op for unquantized models
         model.set_dtype(target_dtype)
     mx.eval(model.parameters())
+    swapped = use_cpu_kernels(model)  # after any dtype change: only float32 layers swap
     loaded = LoadedModel(model, tokenizer, name, _context_length(model, tokenizer))
     log.debug("model_loaded", model=name, layers=loaded.n_layers, vocab=loaded.vocab_size,
-              dtype=str(target_dtype), context=loaded.context_length)
+              dtype=str(target_dtype), context=loaded.context_length, cpu_kernel_layers=swapped)
     return loaded
 
 

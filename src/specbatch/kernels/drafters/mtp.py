@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from ...runtime.tree_shape import TreeLayout
+from ..cpu import linear as cpu_linear
 from ..kv import RaggedKVCache
 from .base import Capture, Chooser, DraftTree
 
@@ -136,7 +137,7 @@ class MTPDrafter:
             lm_head = getattr(getattr(self.runner, "model", None), "lm_head", None)
             self._rows = lm_head.weight[ids] if lm_head is not None else self.runner.embed(ids)
         full = mx.full((h.shape[0], self.runner.vocab_size), -mx.inf, dtype=h.dtype)
-        full[:, ids] = h @ self._rows.T
+        full[:, ids] = cpu_linear(h, self._rows)  # h @ rows.T
         return full
 
     @property

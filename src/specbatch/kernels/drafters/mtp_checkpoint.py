@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .mtp import MTPHead, head_config
+from ..cpu.modules import use_cpu_kernels
 
 BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
@@ -112,4 +113,5 @@ def load_head(folder: Path, target_args=None) -> MTPHead:
     head.set_dtype(mx.float32 if mx.default_device() == mx.cpu else head.eh_proj.weight.dtype)
     head.name = str(folder)
     mx.eval(head.parameters())
+    use_cpu_kernels(head)
     return head

@@ -1,0 +1,92 @@
+"""specbatch's CPU kernels: MLX primitives written for this backend's small-M regime.
+
+MLX's x86 CPU backend sends every float32 matmul to ``cblas_sgemm``, which at decode and
+verify shapes (1-32 rows against a weight matrix) reads the weights at a fraction of the
+memory bandwidth. ``small_linear`` streams each weight row once for all rows (AVX2+FMA, or
+AVX-512 where the CPU has it, chosen at run time; threads over output columns); a row's
+result is bitwise the same however many rows share the call.
+
+The extension (``_ext``, built at install by ``setup.py`` against the pinned MLX) is used
+on the CPU device only. Where it cannot run (not built, built for another MLX, a CPU
+without AVX2, ``SPECBATCH_CPU_KERNELS=0``) :func:`status` says why, one log line says so,
+and :func:`linear` is plain MLX.
+
+Vocabulary: *rows* are the token rows of ``x`` (batch x positions) that share one read
+of the weights; *small* means at most ``MAX_ROWS`` of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import attrs
+import mlx.core as mx
+import structlog
+
+log = structlog.get_logger(__name__)
+
+MAX_ROWS = 32
+_OFF = "SPECBATCH_CPU_KERNELS"
+
+
+@attrs.frozen
+class KernelStatus:
+    active: bool
+    isa: str  # "avx512", "avx2" or "" where inactive
+    why: str  # the reason where inactive, "" otherwise
+
+
+_loaded: dict = {}
+
+
+def _load() -> tuple[object | None, KernelStatus]:
+    if os.environ.get(_OFF) == "0":
+        return None, KernelStatus(False, "", f"{_OFF}=0")
+    if mx.default_device() != mx.cpu:
+        return None, KernelStatus(False, "", f"default device is {mx.default_device()}, not the CPU")
+    try:
+        ext = importlib.import_module(f"{__name__}._ext")
+    except ImportError as exc:
+        return None, KernelStatus(False, "", f"extension not built or not loadable ({exc})")
+    if ext.built_for_mlx != mx.__version__:
+        return None, KernelStatus(False, "", f"built for MLX {ext.built_for_mlx}, running {mx.__version__}")
+    if ext.isa() == "none":
+        return None, KernelStatus(False, "", "the CPU lacks AVX2/FMA")
+    return ext, KernelStatus(True, ext.isa(), "")
+
+
+def extension():
+    """The loaded extension module, or None (once per process; logs the outcome once)."""
+    if "ext" not in _loaded:
+        ext, state = _load()
+        _loaded["ext"], _loaded["status"] = ext, state
+        if state.active:
+            log.info("cpu_kernels", active=True, isa=state.isa, threads=ext.threads())
+        else:
+            log.info("cpu_kernels", active=False, why=state.why, fallback="mlx ops")
+    return _loaded["ext"]
+
+
+def status() -> KernelStatus:
+    extension()
+    return _loaded["status"]
+
+
+def reset() -> None:
+    """Forget the loaded state (tests flip ``SPECBATCH_CPU_KERNELS``)."""
+    _loaded.clear()
+
+
+def rows_of(x: mx.array) -> int:
+    return x.size // max(1, x.shape[-1])
+
+
+def linear(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ weight.T`` (``x`` [..., K], ``weight`` [N, K]): the small-M kernel where it
+    applies, MLX's matmul (BLAS) for wide inputs, other dtypes and other devices."""
+    ext = extension()
+    if (ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32
+            or not 0 < rows_of(x) <= MAX_ROWS or weight.ndim != 2):
+        return x @ weight.T
+    return ext.small_linear(x, weight)

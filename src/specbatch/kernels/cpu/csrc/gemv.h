@@ -1,0 +1,17 @@
+// y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m: every weight row is read once for
+// all rows of x. Each (m, n) sums k in one fixed order whatever M, the tile or the thread
+// split, so a row's result is bitwise the same however many rows share the call.
+#pragma once
+
+namespace specbatch {
+
+enum class Isa { none, avx2, avx512 };
+
+Isa detect_isa();
+const char* isa_name(Isa isa);
+
+// Rows [n0, n1) of the output columns; x is [M, K], w is [N, K], y is [M, N] (row-major).
+void gemv_avx2(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N);
+void gemv_avx512(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N);
+
+}  // namespace specbatch

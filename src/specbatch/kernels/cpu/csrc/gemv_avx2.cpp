@@ -1,0 +1,64 @@
+#include <immintrin.h>
+
+#include "gemv.h"
+
+namespace specbatch {
+namespace {
+
+// Lanes [0, r) of a tail load; the masked load never touches memory past K.
+__attribute__((target("avx2,fma"))) inline __m256i tail_mask(int r) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(r), lanes);
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// NB weight rows x MB token rows per tile: 8 accumulators, 4 weight and 1 x register.
+template <int NB, int MB>
+__attribute__((target("avx2,fma"))) void tile(const float* x, int K, const float* w, float* y, int N) {
+  __m256 acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
+  int k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NB];
+    for (int i = 0; i < NB; ++i) wv[i] = _mm256_loadu_ps(w + (long)i * K + k);
+    for (int j = 0; j < MB; ++j) {
+      __m256 xv = _mm256_loadu_ps(x + (long)j * K + k);
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __m256i mask = tail_mask(K - k);
+    __m256 wv[NB];
+    for (int i = 0; i < NB; ++i) wv[i] = _mm256_maskload_ps(w + (long)i * K + k, mask);
+    for (int j = 0; j < MB; ++j) {
+      __m256 xv = _mm256_maskload_ps(x + (long)j * K + k, mask);
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) y[(long)j * N + i] = hsum(acc[i][j]);
+}
+
+template <int NB>
+__attribute__((target("avx2,fma"))) void rows(const float* x, int M, int K, const float* w, float* y, int N) {
+  int m = 0;
+  for (; m + 2 <= M; m += 2) tile<NB, 2>(x + (long)m * K, K, w, y + (long)m * N, N);
+  if (m < M) tile<NB, 1>(x + (long)m * K, K, w, y + (long)m * N, N);
+}
+
+}  // namespace
+
+void gemv_avx2(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N) {
+  int n = n0;
+  for (; n + 4 <= n1; n += 4) rows<4>(x, M, K, w + (long)n * K, y + n, N);
+  for (; n < n1; ++n) rows<1>(x, M, K, w + (long)n * K, y + n, N);
+}
+
+}  // namespace specbatch

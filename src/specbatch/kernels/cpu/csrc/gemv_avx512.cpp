@@ -1,0 +1,56 @@
+#include <immintrin.h>
+
+#include "gemv.h"
+
+namespace specbatch {
+namespace {
+
+// NB weight rows x MB token rows per tile: 16 accumulators of 32 zmm registers.
+template <int NB, int MB>
+__attribute__((target("avx512f"))) void tile(const float* x, int K, const float* w, float* y, int N) {
+  __m512 acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+  int k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NB];
+    for (int i = 0; i < NB; ++i) wv[i] = _mm512_loadu_ps(w + (long)i * K + k);
+    for (int j = 0; j < MB; ++j) {
+      __m512 xv = _mm512_loadu_ps(x + (long)j * K + k);
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
+    __m512 wv[NB];
+    for (int i = 0; i < NB; ++i) wv[i] = _mm512_maskz_loadu_ps(mask, w + (long)i * K + k);
+    for (int j = 0; j < MB; ++j) {
+      __m512 xv = _mm512_maskz_loadu_ps(mask, x + (long)j * K + k);
+      for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) y[(long)j * N + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int NB>
+__attribute__((target("avx512f"))) void rows(const float* x, int M, int K, const float* w, float* y, int N) {
+  int m = 0;
+  for (; m + 4 <= M; m += 4) tile<NB, 4>(x + (long)m * K, K, w, y + (long)m * N, N);
+  switch (M - m) {
+    case 3: tile<NB, 3>(x + (long)m * K, K, w, y + (long)m * N, N); break;
+    case 2: tile<NB, 2>(x + (long)m * K, K, w, y + (long)m * N, N); break;
+    case 1: tile<NB, 1>(x + (long)m * K, K, w, y + (long)m * N, N); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+void gemv_avx512(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N) {
+  int n = n0;
+  for (; n + 4 <= n1; n += 4) rows<4>(x, M, K, w + (long)n * K, y + n, N);
+  for (; n < n1; ++n) rows<1>(x, M, K, w + (long)n * K, y + n, N);
+}
+
+}  // namespace specbatch

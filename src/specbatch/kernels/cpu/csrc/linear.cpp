@@ -1,0 +1,93 @@
+#include "linear.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "gemv.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "pool.h"
+
+namespace specbatch {
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+  return Isa::none;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "none";
+  }
+}
+
+mx::array small_linear(const mx::array& x, const mx::array& w) {
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32)
+    throw std::invalid_argument("small_linear: float32 inputs only");
+  if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1))
+    throw std::invalid_argument("small_linear: x [..., K] and w [N, K] expected");
+  if (x.size() / std::max(1, x.shape(-1)) > static_cast<size_t>(kMaxRows))
+    throw std::invalid_argument("small_linear: at most 32 rows");
+  if (detect_isa() == Isa::none) throw std::runtime_error("small_linear: the CPU lacks AVX2/FMA");
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(shape, mx::float32, std::make_shared<SmallLinear>(s),
+                   {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
+}
+
+void SmallLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_output_array(out);
+  const int K = w.shape(1), N = w.shape(0);
+  const int M = static_cast<int>(x.size() / std::max(1, K));
+  encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = out.data<float>(), M, K, N]() {
+    if (M == 0 || N == 0) return;
+    auto kernel = detect_isa() == Isa::avx512 ? gemv_avx512 : gemv_avx2;
+    auto& p = pool();
+    // contiguous column blocks, a multiple of 16 rows of w each (whole cache lines of y)
+    const int parts = std::min(p.size(), std::max(1, N / 64));
+    const int block = ((N + parts - 1) / parts + 15) / 16 * 16;
+    p.run([&](int part) {
+      if (part >= parts) return;
+      const int n0 = std::min(N, part * block), n1 = std::min(N, n0 + block);
+      if (n0 < n1) kernel(xp, M, K, wp, n0, n1, yp, N);
+    });
+  });
+}
+
+// Gradients with MLX's own ops (training a head through a swapped linear still works).
+std::vector<mx::array> SmallLinear::vjp(const std::vector<mx::array>& primals,
+                                        const std::vector<mx::array>& cotangents,
+                                        const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  const auto& x = primals[0];
+  const auto& w = primals[1];
+  const auto& g = cotangents[0];  // [..., N]
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      grads.push_back(mx::matmul(g, w, stream()));  // [..., K]
+    } else {
+      auto g2 = mx::reshape(g, {-1, w.shape(0)}, stream());
+      auto x2 = mx::reshape(x, {-1, w.shape(1)}, stream());
+      grads.push_back(mx::matmul(mx::transpose(g2, stream()), x2, stream()));  // [N, K]
+    }
+  }
+  return grads;
+}
+
+void SmallLinear::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("SmallLinear runs on the CPU only");
+}
+
+}  // namespace specbatch

@@ -1,0 +1,27 @@
+// SmallLinear: y = x @ w.T for up to kMaxRows rows of x, as an MLX primitive (CPU only).
+#pragma once
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace specbatch {
+
+namespace mx = mlx::core;
+
+constexpr int kMaxRows = 32;
+
+// x: [..., K] float32 with at most kMaxRows rows in all; w: [N, K] float32 -> [..., N].
+mx::array small_linear(const mx::array& x, const mx::array& w);
+
+class SmallLinear : public mx::UnaryPrimitive {
+ public:
+  explicit SmallLinear(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "SmallLinear"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+}  // namespace specbatch

@@ -1,0 +1,85 @@
+#include "pool.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <immintrin.h>
+#include <sched.h>
+
+namespace specbatch {
+
+namespace {
+constexpr auto kSpin = std::chrono::microseconds(60);
+
+int default_threads() {
+  if (const char* env = std::getenv("SPECBATCH_CPU_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
+}  // namespace
+
+Pool::Pool(int threads) {
+  for (int id = 1; id < threads; ++id) workers_.emplace_back([this, id] { work(id); });
+}
+
+Pool::~Pool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    generation_.fetch_add(1);
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void Pool::run(const std::function<void(int)>& fn) {
+  if (workers_.empty()) {
+    fn(0);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = &fn;
+    pending_.store(static_cast<int>(workers_.size()));
+    generation_.fetch_add(1, std::memory_order_release);
+  }
+  if (sleeping_.load() > 0) wake_.notify_all();
+  fn(0);
+  while (pending_.load(std::memory_order_acquire) > 0) _mm_pause();
+}
+
+void Pool::work(int id) {
+  unsigned seen = generation_.load();
+  for (;;) {
+    auto start = std::chrono::steady_clock::now();
+    while (generation_.load(std::memory_order_acquire) == seen &&
+           std::chrono::steady_clock::now() - start < kSpin) {
+      for (int i = 0; i < 32; ++i) _mm_pause();
+    }
+    if (generation_.load(std::memory_order_acquire) == seen) {
+      std::unique_lock<std::mutex> lock(mu_);
+      sleeping_.fetch_add(1);
+      wake_.wait(lock, [&] { return generation_.load() != seen; });
+      sleeping_.fetch_sub(1);
+    }
+    const std::function<void(int)>* job;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      seen = generation_.load();
+      job = job_;
+    }
+    (*job)(id);
+    pending_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+Pool& pool() {
+  static Pool instance(default_threads());
+  return instance;
+}
+
+}  // namespace specbatch

@@ -1,0 +1,124 @@
+"""The CPU kernels against MLX's own ops, and the fallback that runs without them."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specbatch.kernels import cpu
+from specbatch.kernels.cpu.modules import FastEmbedding, FastLinear, use_cpu_kernels
+
+needs_kernels = pytest.mark.skipif(not cpu.status().active, reason=f"CPU kernels inactive: {cpu.status().why}")
+
+
+def _close(y: mx.array, x: mx.array, w: mx.array) -> None:
+    # fp32 sums in another order: within 1e-5 of the magnitude of the summed terms
+    scale = np.abs(np.array(x)).reshape(-1, x.shape[-1]) @ np.abs(np.array(w)).T
+    err = np.abs(np.array(y).reshape(scale.shape) - (np.array(x).reshape(-1, x.shape[-1]) @ np.array(w).T))
+    assert (err <= 1e-5 * scale + 1e-30).all(), float((err / (scale + 1e-30)).max())
+
+
+@needs_kernels
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 32), k=st.integers(1, 700), n=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_small_linear_matches_matmul_on_random_shapes(rows, k, n, seed):
+    key = mx.random.key(seed)
+    x = mx.random.normal((rows, k), key=key)
+    w = mx.random.normal((n, k), key=mx.random.split(key)[1])
+    _close(cpu.extension().small_linear(x, w), x, w)
+
+
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(2, 32), k=st.integers(1, 300), n=st.integers(1, 200), seed=st.integers(0, 2**16))
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n, seed):
+    x = mx.random.normal((rows, k), key=mx.random.key(seed))
+    w = mx.random.normal((n, k), key=mx.random.key(seed + 1))
+    together = cpu.linear(x, w)
+    for r in {0, rows // 2, rows - 1}:
+        assert mx.array_equal(cpu.linear(x[r:r + 1], w)[0], together[r]).item()
+        assert mx.array_equal(cpu.linear(x[: r + 1], w)[r], together[r]).item()
+
+
+@needs_kernels
+def test_batched_strided_and_sliced_inputs():
+    x = mx.random.normal((4, 3, 64))  # [batch, positions, K]: 12 rows
+    w = mx.random.normal((96, 64))
+    y = cpu.linear(x, w)
+    assert y.shape == (4, 3, 96)
+    _close(y, x, w)
+    xt = mx.random.normal((64, 5)).T  # a transposed view
+    _close(cpu.linear(xt, w), xt, w)
+    ws = mx.random.normal((200, 64))[::2]  # every other weight row
+    _close(cpu.linear(x, ws), x, ws)
+
+
+def test_wide_inputs_other_dtypes_and_empty_use_mlx():
+    w = mx.random.normal((16, 8))
+    wide = mx.random.normal((cpu.MAX_ROWS + 1, 8))
+    assert mx.allclose(cpu.linear(wide, w), wide @ w.T).item()
+    half = mx.random.normal((2, 8)).astype(mx.float16)
+    assert cpu.linear(half, w.astype(mx.float16)).dtype == mx.float16
+    assert cpu.linear(mx.zeros((0, 8)), w).shape == (0, 16)
+
+
+@needs_kernels
+def test_gradients_flow_through_the_kernel():
+    x, w = mx.random.normal((3, 7)), mx.random.normal((5, 7))
+    ours = mx.grad(lambda x, w: (cpu.linear(x, w) ** 2).sum(), argnums=(0, 1))(x, w)
+    plain = mx.grad(lambda x, w: ((x @ w.T) ** 2).sum(), argnums=(0, 1))(x, w)
+    for a, b in zip(ours, plain):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
+
+
+@needs_kernels
+def test_swapped_model_keeps_its_parameters_and_outputs(tiny):
+    model = tiny.model
+    assert any(isinstance(m, FastLinear) for _, m in model.named_modules())  # load() swapped them
+    plain = nn.Linear(8, 4)
+    mx.eval(plain.parameters())
+    holder = nn.Module()
+    holder.proj, holder.emb, holder.layers = plain, nn.Embedding(10, 8), [nn.Linear(8, 8, bias=False)]
+    x = mx.random.normal((2, 8))
+    before = holder.proj(x), holder.emb.as_linear(x), holder.layers[0](x)
+    assert use_cpu_kernels(holder) == 3
+    assert isinstance(holder.proj, FastLinear) and isinstance(holder.emb, FastEmbedding)
+    assert isinstance(holder.layers[0], FastLinear) and holder.proj.weight is plain.weight
+    for a, b in zip(before, (holder.proj(x), holder.emb.as_linear(x), holder.layers[0](x))):
+        assert mx.allclose(a, b, atol=1e-5).item()
+
+
+@pytest.fixture
+def kernels_off(monkeypatch):
+    monkeypatch.setenv("SPECBATCH_CPU_KERNELS", "0")
+    cpu.reset()
+    yield
+    monkeypatch.delenv("SPECBATCH_CPU_KERNELS")
+    cpu.reset()
+
+
+def test_forced_fallback_runs_mlx_and_says_why(kernels_off, capsys):
+    state = cpu.status()
+    assert not state.active and "SPECBATCH_CPU_KERNELS=0" in state.why
+    holder = nn.Module()
+    holder.proj = nn.Linear(8, 4)
+    assert use_cpu_kernels(holder) == 0 and type(holder.proj) is nn.Linear
+    x, w = mx.random.normal((2, 8)), mx.random.normal((4, 8))
+    assert mx.array_equal(cpu.linear(x, w), x @ w.T).item()
+
+
+def test_an_extension_built_for_another_mlx_is_refused(monkeypatch):
+    if cpu.status().active is False and "not built" in cpu.status().why:
+        pytest.skip("extension not built here")
+    monkeypatch.setattr(mx, "__version__", "0.0.1")
+    cpu.reset()
+    try:
+        state = cpu.status()
+        assert not state.active and "running 0.0.1" in state.why
+    finally:
+        monkeypatch.undo()
+        cpu.reset()
