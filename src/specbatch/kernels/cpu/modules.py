@@ -10,11 +10,12 @@ import mlx.nn as nn
 from . import extension, linear
 
 
-class FastLinear(nn.Module):
-    """``nn.Linear`` whose matmul is the small-M CPU kernel where it applies."""
+class FastLinear(nn.Linear):
+    """``nn.Linear`` whose matmul is the small-M CPU kernel where it applies (still an
+    ``nn.Linear``: MLX's sharding and quantization helpers take it as one)."""
 
     def __init__(self, weight: mx.array, bias: mx.array | None):
-        super().__init__()
+        nn.Module.__init__(self)
         self.weight = weight  # [out, in]
         if bias is not None:
             self.bias = bias
