@@ -122,3 +122,55 @@ def test_an_extension_built_for_another_mlx_is_refused(monkeypatch):
     finally:
         monkeypatch.undo()
         cpu.reset()
+
+
+def _sdpa_ref(q, k, v, scale, mask):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+@needs_kernels
+@settings(max_examples=50, deadline=None)
+@given(b=st.integers(1, 3), kv=st.integers(1, 3), group=st.integers(1, 3), length=st.integers(1, 20),
+       extra=st.integers(0, 40), d=st.sampled_from([8, 24, 64, 80]), kind=st.sampled_from(["", "causal", "array"]),
+       seed=st.integers(0, 2**16))
+def test_attention_matches_mlx_on_random_shapes(b, kv, group, length, extra, d, kind, seed):
+    key = iter(mx.random.split(mx.random.key(seed), 4))
+    t = length + extra
+    q = mx.random.normal((b, kv * group, length, d), key=next(key))
+    k = mx.random.normal((b, kv, t, d), key=next(key))
+    v = mx.random.normal((b, kv, t, d), key=next(key))
+    mask = None if kind == "" else kind
+    if kind == "array":
+        mask = mx.random.uniform(shape=(b, 1, length, t), key=next(key)) > 0.4
+        mask[..., 0] = True  # no row masked whole (MLX's answer there is NaN)
+    ours = cpu.attention(q, k, v, 0.3, mask)
+    assert mx.allclose(ours, _sdpa_ref(q, k, v, 0.3, mask), rtol=1e-5, atol=1e-5).item()
+
+
+@needs_kernels
+def test_attention_reads_a_strided_cache_without_copying_it_wrong():
+    buf_k = mx.random.normal((2, 3, 64, 64))  # a cache buffer with room to grow
+    buf_v = mx.random.normal((2, 3, 64, 64))
+    k, v = buf_k[:, :, :37], buf_v[:, :, :37]  # the filled part: strided views
+    q = mx.random.normal((2, 5, 9, 64)).transpose(0, 2, 1, 3)  # [B, H, L, D] as a model makes it
+    for mask in (None, "causal"):
+        assert mx.allclose(cpu.attention(q, k, v, 0.125, mask), _sdpa_ref(q, k, v, 0.125, mask),
+                           rtol=1e-5, atol=1e-5).item()
+
+
+@needs_kernels
+def test_a_query_rows_attention_is_the_same_bits_alone_or_in_a_verify():
+    k, v = mx.random.normal((1, 3, 50, 64)), mx.random.normal((1, 3, 50, 64))
+    q = mx.random.normal((1, 9, 12, 64))
+    verify = cpu.attention(q, k, v, 0.125, "causal")  # 12 positions ending at key 49
+    for i in (0, 5, 11):
+        alone = cpu.attention(q[:, :, i:i + 1], k[:, :, : 50 - 11 + i], v[:, :, : 50 - 11 + i], 0.125, None)
+        assert mx.array_equal(alone[:, :, 0], verify[:, :, i]).item()
+
+
+def test_additive_masks_and_half_precision_use_mlx():
+    q, k, v = (mx.random.normal((1, 2, 3, 8)) for _ in range(3))
+    additive = mx.zeros((1, 1, 3, 3))
+    assert mx.allclose(cpu.attention(q, k, v, 0.5, additive), _sdpa_ref(q, k, v, 0.5, additive)).item()
+    half = [a.astype(mx.float16) for a in (q, k, v)]
+    assert cpu.attention(*half, 0.5, None).dtype == mx.float16

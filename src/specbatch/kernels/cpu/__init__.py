@@ -11,6 +11,10 @@ on the CPU device only. Where it cannot run (not built, built for another MLX, a
 without AVX2, ``SPECBATCH_CPU_KERNELS=0``) :func:`status` says why, one log line says so,
 and :func:`linear` is plain MLX.
 
+``attention`` does softmax(q k^T) v for decode, verify and prefill queries over a strided
+KV (no copy of the cache), with a vectorised exp, query blocks that read each key once,
+and keys past a block's causal limit never read.
+
 Vocabulary: *rows* are the token rows of ``x`` (batch x positions) that share one read
 of the weights; *small* means at most ``MAX_ROWS`` of them.
 """
@@ -90,3 +94,23 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
             or not 0 < rows_of(x) <= MAX_ROWS or weight.ndim != 2):
         return x @ weight.T
     return ext.small_linear(x, weight)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+    """softmax(queries keys^T * scale) values: ``queries`` [B, Hq, L, D], ``keys``/``values``
+    [B, Hkv, T, D]; ``mask`` None, ``"causal"`` or a bool array [B or 1, 1, L, T]. The kernel
+    where it applies, ``mx.fast.scaled_dot_product_attention`` otherwise (additive masks,
+    other dtypes, other devices)."""
+    ext = extension()
+    kind = "" if mask is None else mask if isinstance(mask, str) else "array"
+    usable = (ext is not None and queries.dtype == keys.dtype == values.dtype == mx.float32
+              and queries.ndim == 4 and queries.shape[-1] <= 256 and kind in ("", "causal", "array")
+              and (kind != "array" or (mask.dtype == mx.bool_ and mask.ndim == 4 and mask.shape[1] == 1)))
+    if not usable:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    if kind == "array" and mask.shape[2:] != (queries.shape[2], keys.shape[2]):
+        mask = mx.broadcast_to(mask, (mask.shape[0], 1, queries.shape[2], keys.shape[2]))
+    return ext.attention(queries, keys, values, scale, kind, mask if kind == "array" else _NO_MASK)
+
+
+_NO_MASK = mx.array(False)

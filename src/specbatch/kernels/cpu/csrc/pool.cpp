@@ -52,7 +52,7 @@ void Pool::run(const std::function<void(int)>& fn) {
 }
 
 void Pool::work(int id) {
-  unsigned seen = generation_.load();
+  unsigned seen = 0;  // the generation at construction: a run may start before this thread does
   for (;;) {
     auto start = std::chrono::steady_clock::now();
     while (generation_.load(std::memory_order_acquire) == seen &&

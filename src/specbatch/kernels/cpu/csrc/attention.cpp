@@ -1,0 +1,93 @@
+#include "attention.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <vector>
+
+#include "gemv.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "pool.h"
+
+namespace specbatch {
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    const std::string& mask_kind, const mx::array& mask) {
+  for (const auto* a : {&q, &k, &v})
+    if (a->dtype() != mx::float32 || a->ndim() != 4) throw std::invalid_argument("attention: float32 [B, H, N, D] inputs");
+  const int Hq = q.shape(1), Hkv = k.shape(1), D = q.shape(3);
+  if (k.shape() != v.shape() || k.shape(3) != D || Hkv == 0 || Hq % Hkv != 0 || q.shape(0) != k.shape(0))
+    throw std::invalid_argument("attention: q [B, Hq, L, D] and k, v [B, Hkv, T, D] with Hq a multiple of Hkv");
+  if (D > 256) throw std::invalid_argument("attention: head dimension above 256");
+  if (detect_isa() == Isa::none) throw std::runtime_error("attention: the CPU lacks AVX2/FMA");
+  if (mask_kind == "causal" && q.shape(2) > k.shape(2)) throw std::invalid_argument("attention: more queries than keys");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {q, k, v};
+  if (mask_kind == "array") {
+    if (mask.dtype() != mx::bool_ || mask.ndim() != 4 || mask.shape(1) != 1 || mask.shape(2) != q.shape(2) ||
+        mask.shape(3) != k.shape(2) || (mask.shape(0) != 1 && mask.shape(0) != q.shape(0)))
+      throw std::invalid_argument("attention: a bool mask [B or 1, 1, L, T]");
+    inputs.push_back(mask);
+  } else if (!mask_kind.empty() && mask_kind != "causal") {
+    throw std::invalid_argument("attention: mask is '', 'causal' or 'array'");
+  }
+  return mx::array(q.shape(), mx::float32, std::make_shared<Attention>(s, scale, mask_kind == "causal"), inputs);
+}
+
+namespace {
+// The head dimension must be contiguous for the kernels; anything else is copied first.
+const float* rows_of(const mx::array& a, std::vector<float>& copy, int64_t* strides) {
+  if (a.strides(3) == 1) {
+    for (int i = 0; i < 3; ++i) strides[i] = a.strides(i);
+    return a.data<float>();
+  }
+  const int n0 = a.shape(0), n1 = a.shape(1), n2 = a.shape(2), n3 = a.shape(3);
+  copy.resize(static_cast<size_t>(n0) * n1 * n2 * n3);
+  const float* src = a.data<float>();
+  size_t at = 0;
+  for (int i = 0; i < n0; ++i)
+    for (int j = 0; j < n1; ++j)
+      for (int l = 0; l < n2; ++l)
+        for (int d = 0; d < n3; ++d)
+          copy[at++] = src[i * a.strides(0) + j * a.strides(1) + l * a.strides(2) + d * a.strides(3)];
+  strides[0] = static_cast<int64_t>(n1) * n2 * n3, strides[1] = static_cast<int64_t>(n2) * n3, strides[2] = n3;
+  return copy.data();
+}
+}  // namespace
+
+void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  const auto& q = inputs[0];
+  const auto& k = inputs[1];
+  AttentionArgs a{};
+  a.B = q.shape(0), a.Hq = q.shape(1), a.L = q.shape(2), a.D = q.shape(3);
+  a.Hkv = k.shape(1), a.T = k.shape(2), a.scale = scale_, a.causal = causal_;
+  a.out = out.data<float>();
+  if (inputs.size() == 4) {
+    const auto& m = inputs[3];
+    a.mask = m.data<bool>();
+    a.ms[0] = m.shape(0) == 1 ? 0 : m.strides(0), a.ms[1] = m.strides(2), a.ms[2] = m.strides(3);
+  }
+  encoder.dispatch([a, q = inputs[0], k = inputs[1], v = inputs[2]]() mutable {
+    std::vector<float> qc, kc, vc;
+    a.q = rows_of(q, qc, a.qs), a.k = rows_of(k, kc, a.ks), a.v = rows_of(v, vc, a.vs);
+    const int64_t tasks = static_cast<int64_t>(a.B) * a.Hq * ((a.L + kQueryBlock - 1) / kQueryBlock);
+    if (tasks == 0 || a.T == 0) return;
+    auto kernel = detect_isa() == Isa::avx512 ? attention_avx512 : attention_avx2;
+    auto& p = pool();
+    const int parts = static_cast<int>(std::min<int64_t>(p.size(), tasks));
+    p.run([&](int part) {
+      for (int64_t t = part; t < tasks && part < parts; t += parts) kernel(a, t);
+    });
+  });
+}
+
+void Attention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("SpecbatchAttention runs on the CPU only");
+}
+
+}  // namespace specbatch

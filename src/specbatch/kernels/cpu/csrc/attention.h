@@ -1,0 +1,51 @@
+// Attention for decode, verify and prefill queries over a strided KV (flash-style blocks
+// of queries, vectorised exp, keys past a block's causal limit never read).
+#pragma once
+
+#include <cstdint>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace specbatch {
+
+namespace mx = mlx::core;
+
+// What one call sees; strides in floats (the head dimension D is contiguous).
+struct AttentionArgs {
+  const float* q; const float* k; const float* v; const bool* mask; float* out;
+  int B, Hq, Hkv, L, T, D;
+  int64_t qs[3], ks[3], vs[3], ms[3];  // [batch, head, row] strides; ms: [batch, query, key]
+  float scale;
+  bool causal;  // query i sees keys j <= T - L + i
+};
+
+// Query rows per block: each block reads the keys and values it sees once.
+constexpr int kQueryBlock = 8;
+
+void attention_avx2(const AttentionArgs& a, int64_t task);
+void attention_avx512(const AttentionArgs& a, int64_t task);
+
+// q [B, Hq, L, D], k and v [B, Hkv, T, D] (any strides but D's), mask: "" / "causal" /
+// "array" (bool [B or 1, 1, L, T] as the fourth input) -> [B, Hq, L, D].
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    const std::string& mask_kind, const mx::array& mask);
+
+class Attention : public mx::UnaryPrimitive {
+ public:
+  Attention(mx::Stream stream, float scale, bool causal)
+      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "SpecbatchAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Attention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
+}  // namespace specbatch

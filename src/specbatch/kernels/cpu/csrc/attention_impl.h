@@ -1,0 +1,116 @@
+// The attention kernel body, compiled once per ISA (attention_avx2.cpp, attention_avx512.cpp)
+// with W float lanes. A query row's result is summed in one fixed order over keys 0..T-1
+// whatever block, batch or thread it falls in: masked keys add exact zeros.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention.h"
+#include "gemv.h"
+
+namespace specbatch {
+namespace {
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int vi __attribute__((vector_size(W * 4)));
+
+inline vf load(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof(v)); return v; }
+inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline vf splat(float x) { return vf{} + x; }
+
+// exp(x) for x <= 0 (scores minus their row's max): 2^n * p(r), |rel err| < 2e-7.
+inline vf exp_neg(vf x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  vf t = x * 1.44269504088896341f;
+  vi n = __builtin_convertvector(t - 0.5f, vi);  // round to nearest for t <= 0
+  vf nf = __builtin_convertvector(n, vf);
+  vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln2 split in two for accuracy
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi bits = (n + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+// One block of query rows of one (batch, head): scores through the small-M kernel,
+// softmax in place, then the rows' weighted sums of values.
+void block(const AttentionArgs& a, int b, int h, int i0, int rows, std::vector<float>& s) {
+  const int hk = h / (a.Hq / a.Hkv), D = a.D;
+  const float* q = a.q + b * a.qs[0] + h * a.qs[1] + i0 * a.qs[2];
+  const float* k = a.k + b * a.ks[0] + hk * a.ks[1];
+  const float* v = a.v + b * a.vs[0] + hk * a.vs[1];
+  const int shift = a.T - a.L;  // causal: query i sees keys j <= shift + i
+  const int seen = a.causal ? shift + i0 + rows : a.T;  // keys any row of the block sees
+  const int stride = (seen + W - 1) / W * W;
+  s.assign(static_cast<size_t>(rows) * stride, 0.0f);
+  float qrows[kQueryBlock * 256];
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < D; ++d) qrows[r * D + d] = q[r * a.qs[2] + d];
+  if (a.ks[2] == D) {
+    GEMV(qrows, rows, D, k, 0, seen, s.data(), stride);
+  } else {
+    for (int j = 0; j < seen; ++j) GEMV(qrows, rows, D, k + j * a.ks[2], 0, 1, s.data() + j, stride);
+  }
+  float inv[kQueryBlock];
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int r = 0; r < rows; ++r) {
+    float* sr = s.data() + static_cast<size_t>(r) * stride;
+    const int limit = a.causal ? shift + i0 + r + 1 : a.T;
+    const bool* m = a.mask ? a.mask + b * a.ms[0] + (i0 + r) * a.ms[1] : nullptr;
+    float top = neg_inf;
+    for (int j = 0; j < seen; ++j) {
+      const bool keep = j < limit && (!m || m[j * a.ms[2]]);
+      sr[j] = keep ? sr[j] * a.scale : neg_inf;
+      top = sr[j] > top ? sr[j] : top;
+    }
+    for (int j = seen; j < stride; ++j) sr[j] = neg_inf;  // the last vector's padding
+    vf sum = vf{};
+    for (int j = 0; j < stride; j += W) {
+      vf x = load(sr + j);
+      vf p = exp_neg(x - top);
+      p = x == splat(neg_inf) ? vf{} : p;  // exactly zero: masked keys change no sum
+      store(sr + j, p);
+      sum += p;
+    }
+    const float total = hsum(sum);
+    inv[r] = top == neg_inf || total == 0.0f ? 0.0f : 1.0f / total;  // a fully masked row: zeros
+  }
+  float acc[kQueryBlock * 256] = {};
+  for (int j = 0; j < seen; ++j) {
+    const float* vj = v + j * a.vs[2];
+    for (int r = 0; r < rows; ++r) {
+      const float p = s[static_cast<size_t>(r) * stride + j];
+      float* o = acc + r * D;
+      int d = 0;
+      for (; d + W <= D; d += W) store(o + d, load(o + d) + splat(p) * load(vj + d));
+      for (; d < D; ++d) o[d] += p * vj[d];
+    }
+  }
+  float* out = a.out + ((static_cast<int64_t>(b) * a.Hq + h) * a.L + i0) * D;
+  for (int r = 0; r < rows; ++r)
+    for (int d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv[r];
+}
+
+}  // namespace
+
+void ATTENTION(const AttentionArgs& a, int64_t task) {
+  static thread_local std::vector<float> scores;
+  const int blocks = (a.L + kQueryBlock - 1) / kQueryBlock;
+  const int bh = static_cast<int>(task / blocks), blk = static_cast<int>(task % blocks);
+  const int i0 = blk * kQueryBlock;
+  block(a, bh / a.Hq, bh % a.Hq, i0, std::min(kQueryBlock, a.L - i0), scores);
+}
+
+}  // namespace specbatch
