@@ -23,3 +23,13 @@ def test_half_precision_folders_get_an_fp32_copy_once(tmp_path, monkeypatch):
     assert got["w"].dtype == mx.float32 and got["ids"].dtype == mx.int32 and mx.array_equal(got["w"], mx.ones((2, 3)))
     assert fp32_copy(src) == out  # cached
     assert fp32_copy(out) == out  # already fp32: used as is
+
+
+def test_kernels_bench_measures_the_bound_and_both_paths(tiny):
+    from specbatch.tools.bench import kernels
+    model = tiny.model
+    total = kernels.weight_bytes(model)
+    dims = model.args.hidden_size
+    assert total >= model.model.embed_tokens.weight.nbytes + dims * dims * 4
+    assert kernels.sgemv_probe(model, repeats=1) > 0
+    assert kernels.forward_ms(model, 2, 3, repeats=1) > 0

@@ -174,3 +174,13 @@ def test_additive_masks_and_half_precision_use_mlx():
     assert mx.allclose(cpu.attention(q, k, v, 0.5, additive), _sdpa_ref(q, k, v, 0.5, additive)).item()
     half = [a.astype(mx.float16) for a in (q, k, v)]
     assert cpu.attention(*half, 0.5, None).dtype == mx.float16
+
+
+def test_disabled_runs_mlx_ops_on_this_thread_only():
+    x, w = mx.random.normal((2, 8)), mx.random.normal((4, 8))
+    with cpu.disabled():
+        assert mx.array_equal(cpu.linear(x, w), x @ w.T).item()
+        q = mx.random.normal((1, 2, 3, 8))
+        ref = mx.fast.scaled_dot_product_attention(q, q, q, scale=0.5, mask="causal")
+        assert mx.array_equal(cpu.attention(q, q, q, 0.5, "causal"), ref).item()
+    assert not getattr(cpu._off, "on", False)

@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _measuring_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks side by side with mlx-lm")
-    b.add_argument("--suite", default="plain,scalar,widths,transitions,memory,serving,drafters,sharded,long_prompts",
+    b.add_argument("--suite", default="kernels,plain,scalar,widths,transitions,memory,serving,drafters,sharded,long_prompts",
                    help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters, sharded, "
                         "long_prompts, memory_layout, prefix_cache, trees (chain vs tree drafting at width 1; not in "
                         "the default list)")

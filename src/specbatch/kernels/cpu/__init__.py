@@ -21,8 +21,10 @@ of the weights; *small* means at most ``MAX_ROWS`` of them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import threading
 
 import attrs
 import mlx.core as mx
@@ -42,6 +44,18 @@ class KernelStatus:
 
 
 _loaded: dict = {}
+_off = threading.local()  # inside `disabled()` on this thread
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run MLX's own ops inside this block (baselines measured on the same loaded model)."""
+    before = getattr(_off, "on", False)
+    _off.on = True
+    try:
+        yield
+    finally:
+        _off.on = before
 
 
 def _load() -> tuple[object | None, KernelStatus]:
@@ -89,7 +103,7 @@ def rows_of(x: mx.array) -> int:
 def linear(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ weight.T`` (``x`` [..., K], ``weight`` [N, K]): the small-M kernel where it
     applies, MLX's matmul (BLAS) for wide inputs, other dtypes and other devices."""
-    ext = extension()
+    ext = None if getattr(_off, "on", False) else extension()
     if (ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32
             or not 0 < rows_of(x) <= MAX_ROWS or weight.ndim != 2):
         return x @ weight.T
@@ -101,7 +115,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     [B, Hkv, T, D]; ``mask`` None, ``"causal"`` or a bool array [B or 1, 1, L, T]. The kernel
     where it applies, ``mx.fast.scaled_dot_product_attention`` otherwise (additive masks,
     other dtypes, other devices)."""
-    ext = extension()
+    ext = None if getattr(_off, "on", False) else extension()
     kind = "" if mask is None else mask if isinstance(mask, str) else "array"
     usable = (ext is not None and queries.dtype == keys.dtype == values.dtype == mx.float32
               and queries.ndim == 4 and queries.shape[-1] <= 256 and kind in ("", "causal", "array")

@@ -89,8 +89,16 @@ def engine_tok_s(engine, prompts, tokens: int, temperature: float = 0.0, stagger
 
 
 def mlx_lm_batch_tok_s(model, prompts, tokens: int) -> float:
-    """mlx-lm's own ``BatchGenerator`` on the same prompts (greedy, no EOS stop)."""
+    """mlx-lm's own ``BatchGenerator`` on the same prompts (greedy, no EOS stop), on MLX's
+    own ops (our CPU kernels off for it)."""
     from mlx_lm.generate import BatchGenerator
+
+    from ...kernels.cpu import disabled
+    with disabled():
+        return _mlx_lm_batch(BatchGenerator, model, prompts, tokens)
+
+
+def _mlx_lm_batch(BatchGenerator, model, prompts, tokens: int) -> float:
     gen = BatchGenerator(model, max_tokens=tokens, stop_tokens=[], completion_batch_size=max(32, len(prompts)),
                          prefill_batch_size=max(8, len(prompts)))
     t0 = time.perf_counter()
@@ -103,12 +111,15 @@ def mlx_lm_batch_tok_s(model, prompts, tokens: int) -> float:
 
 
 def mlx_lm_spec_tok_s(target, drafter, prompt, tokens: int, k: int) -> float:
-    """mlx-lm's single-sequence ``speculative_generate_step`` (greedy)."""
+    """mlx-lm's single-sequence ``speculative_generate_step`` (greedy; MLX's own ops)."""
     import mlx.core as mx
     from mlx_lm.generate import speculative_generate_step
+
+    from ...kernels.cpu import disabled
     t0 = time.perf_counter()
-    n = sum(1 for _ in speculative_generate_step(mx.array(prompt), target, drafter, num_draft_tokens=k,
-                                                 max_tokens=tokens))
+    with disabled():
+        n = sum(1 for _ in speculative_generate_step(mx.array(prompt), target, drafter, num_draft_tokens=k,
+                                                     max_tokens=tokens))
     return n / (time.perf_counter() - t0)
 
 
