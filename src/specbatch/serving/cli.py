@@ -231,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     from ..blas import active_blas
     logs.configure(getattr(args, "log_format", "console"), "info" if getattr(args, "verbose", False) else None)
     if getattr(args, "verbose", False):
-        print(f"specbatch: BLAS = {active_blas()}", file=sys.stderr)
+        from ..kernels import cpu
+        state = cpu.status()
+        kernels = f"specbatch ({state.isa})" if state.active else f"MLX ops ({state.why})"
+        print(f"specbatch: BLAS = {active_blas()}; CPU kernels = {kernels}", file=sys.stderr)
     try:
         return args.func(args)
     except (ValueError, TypeError) as exc:

@@ -21,7 +21,9 @@ def machine() -> dict:
     import mlx.core as mx
 
     from ...blas import active_blas
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "device": str(mx.default_device()),
+    from ...kernels import cpu
+    kernels = cpu.status()
+    return {"cpu_kernels": kernels.isa if kernels.active else f"off: {kernels.why}", "platform": platform.platform(), "cpus": os.cpu_count(), "device": str(mx.default_device()),
             "blas": active_blas(), "mlx": mx.__version__, "python": platform.python_version()}
 
 

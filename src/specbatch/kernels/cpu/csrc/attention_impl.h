@@ -44,6 +44,50 @@ inline float hsum(vf v) {
   return s;
 }
 
+// acc[r] = sum_j p[r][j] v[j] for RN rows kept in registers over every key (NV vectors of a
+// head); one multiply and one add per term, in key order (no contraction: -ffp-contract=off).
+template <int NV, int RN>
+void weigh_rows(const float* p, int stride, const float* v, int64_t vs, int seen, float* acc) {
+  vf sum[RN][NV] = {};
+  for (int j = 0; j < seen; ++j) {
+    vf vj[NV];
+    for (int n = 0; n < NV; ++n) vj[n] = load(v + j * vs + n * W);
+    for (int r = 0; r < RN; ++r) {
+      const vf pr = splat(p[static_cast<size_t>(r) * stride + j]);
+      for (int n = 0; n < NV; ++n) sum[r][n] += pr * vj[n];
+    }
+  }
+  for (int r = 0; r < RN; ++r)
+    for (int n = 0; n < NV; ++n) store(acc + r * NV * W + n * W, sum[r][n]);
+}
+
+template <int NV>
+void weigh_fixed(const float* p, int stride, int rows, const float* v, int64_t vs, int seen, float* acc) {
+  constexpr int regs = W == 16 ? 32 : 16;  // rows per pass that fit the registers with the values
+  constexpr int R = (regs - NV) / NV >= 4 ? 4 : (regs - NV) / NV >= 2 ? 2 : 1;
+  int r = 0;
+  for (; r + R <= rows; r += R) weigh_rows<NV, R>(p + r * stride, stride, v, vs, seen, acc + r * NV * W);
+  for (; r < rows; ++r) weigh_rows<NV, 1>(p + r * stride, stride, v, vs, seen, acc + r * NV * W);
+}
+
+// Any head size: the same terms in the same order, through memory.
+void weigh_any(const float* p, int stride, int rows, const float* v, int64_t vs, int seen, int D, float* acc) {
+  for (int i = 0; i < rows * D; ++i) acc[i] = 0.0f;
+  for (int j = 0; j < seen; ++j)
+    for (int r = 0; r < rows; ++r) {
+      const float pr = p[static_cast<size_t>(r) * stride + j];
+      for (int d = 0; d < D; ++d) acc[r * D + d] += pr * v[j * vs + d];
+    }
+}
+
+void weigh_values(const float* p, int stride, int rows, const float* v, int64_t vs, int seen, int D, float* acc) {
+  if (D == 4 * W) return weigh_fixed<4>(p, stride, rows, v, vs, seen, acc);
+  if (D == 8 * W) return weigh_fixed<8>(p, stride, rows, v, vs, seen, acc);
+  if (D == 2 * W) return weigh_fixed<2>(p, stride, rows, v, vs, seen, acc);
+  if (D == W) return weigh_fixed<1>(p, stride, rows, v, vs, seen, acc);
+  weigh_any(p, stride, rows, v, vs, seen, D, acc);
+}
+
 // One block of query rows of one (batch, head): scores through the small-M kernel,
 // softmax in place, then the rows' weighted sums of values.
 void block(const AttentionArgs& a, int b, int h, int i0, int rows, std::vector<float>& s) {
@@ -87,17 +131,8 @@ void block(const AttentionArgs& a, int b, int h, int i0, int rows, std::vector<f
     const float total = hsum(sum);
     inv[r] = top == neg_inf || total == 0.0f ? 0.0f : 1.0f / total;  // a fully masked row: zeros
   }
-  float acc[kQueryBlock * 256] = {};
-  for (int j = 0; j < seen; ++j) {
-    const float* vj = v + j * a.vs[2];
-    for (int r = 0; r < rows; ++r) {
-      const float p = s[static_cast<size_t>(r) * stride + j];
-      float* o = acc + r * D;
-      int d = 0;
-      for (; d + W <= D; d += W) store(o + d, load(o + d) + splat(p) * load(vj + d));
-      for (; d < D; ++d) o[d] += p * vj[d];
-    }
-  }
+  float acc[kQueryBlock * 256];
+  weigh_values(s.data(), stride, rows, v, a.vs[2], seen, D, acc);
   float* out = a.out + ((static_cast<int64_t>(b) * a.Hq + h) * a.L + i0) * D;
   for (int r = 0; r < rows; ++r)
     for (int d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv[r];
