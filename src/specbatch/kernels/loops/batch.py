@@ -194,16 +194,6 @@ class BatchLoop:
         self._sampling = None
         return out
 
-    def fail_all(self) -> list[Request]:
-        """Drop every row and all KV (after a failed round); return their requests."""
-        out = [r.request for r in self.rows]
-        self.rows, self._lookahead, self._sampling = [], None, None
-        self.kv = batch_kv(self.target.n_layers, layout=getattr(self.target, "kv_layout", None),
-                                kv_bits=getattr(self.target, "kv_bits", None))
-        self.disarm()
-        return out
-
-    # -- plain rounds -----------------------------------------------------------------
     def _rows_sampling(self) -> RowSampling:
         if self._sampling is None:
             self._sampling = RowSampling.of([r.request.params for r in self.rows])

@@ -39,7 +39,6 @@ class Handoff:
     prev: int
     emitted: int
     target_cache: list
-    drafter: object | None
     logprobs: list = attrs.field(factory=list)  # parallel to undelivered (None: not asked)
 
 
@@ -126,7 +125,7 @@ class ScalarLoop:
     def close(self) -> Handoff:
         """Stop here (usually mid-round) and hand everything to the batch loop."""
         handoff = Handoff(self.request, [t for t, _ in self._buffer], self.pending, self.prev,
-                          self.request.emitted, self.cache, self.drafter, [lp for _, lp in self._buffer])
+                          self.request.emitted, self.cache, [lp for _, lp in self._buffer])
         self._buffer.clear()
         return handoff
 
