@@ -20,12 +20,12 @@ join while rows decode; at Idle nobody decodes, so every waiter is admitted.
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING, Callable
 
 import structlog
 from transitions import Machine
 
+from .admission import room, within_budget
 from .policy import AcceptanceBook
 from .scheduler import BatchRounds, Kernels, ScalarRounds, take
 
@@ -247,29 +247,10 @@ class SpecMachine:
         return [r for r in self.waiting if self.kernels.ready(r)] if self.requests() else list(self.waiting)
 
     def _room(self) -> int:
-        """Waiters the next drain may admit: within max_batch rows, the KV budget (each
-        row reserves its prompt, its budget and a verify's lookahead) and, while rows
-        decode, one chunk of prompt tokens to prefill (at least one waiter)."""
-        live, joining = self.requests(), self._ready()
-        n = min(len(joining), self.config.max_batch - len(live))
-        if live and self.config.chunked_prefill:  # prefix sums of the prompt tokens to prefill
-            costs = itertools.accumulate(self.kernels.prefill_cost(r) for r in joining)
-            n = min(n, max(1, sum(1 for c in costs if c <= self.config.prefill_chunk)))
-        return len(self._within_budget(live, joining[:n]))
+        return room(self.requests(), self._ready(), self.config, self.kernels)
 
     def _within_budget(self, live: list, waiters: list) -> list:
-        """The leading ``waiters`` whose KV fits the budget beside ``live`` (each row reserves
-        its prompt, its budget and a verify's lookahead); an idle engine still takes one.
-        Prefill chunks start only for these: a partial prefill holds KV too."""
-        budget, k, per_token = self.config.kv_budget_bytes, self.config.num_draft_tokens, self.kernels.token_bytes
-        if not budget or not per_token:
-            return waiters
-        need = sum(len(r.prompt) + r.params.max_tokens + k + 1 for r in live) * per_token
-        for i, r in enumerate(waiters):
-            need += (len(r.prompt) + r.params.max_tokens + k + 1) * per_token
-            if need > budget:
-                return waiters[:max(i, int(not live))]
-        return waiters
+        return within_budget(live, waiters, self.config, self.kernels.token_bytes)
 
     def _fire(self, trigger: str) -> bool:
         """Fire ``trigger`` if its guard holds (then the round ends)."""
