@@ -69,8 +69,8 @@ def main() -> None:
     del target
     with Engine.from_pretrained(speculation=False) as plain, \
             Engine.from_pretrained(draft_model=args.draft_model, drafter=args.drafter, num_draft_tokens=args.k,
-                                   speculative_width_cap=1, draft_schedule=None, max_spec_temperature=None,
-                                   adaptive_k=False, tree_shape=args.tree, tree_max_temperature=None) as spec:
+                                   speculative_width_cap=1, max_spec_temperature=None,
+                                   fixed_draft=True, tree_shape=args.tree, tree_max_temperature=None) as spec:
         for engine in (plain, spec):
             one(engine, prompts[0], 8, 0.0, 0)  # warm-up
         for temperature in (float(x) for x in args.temperatures.split(",")):

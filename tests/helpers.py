@@ -10,6 +10,7 @@ from specbatch.kernels.loops.scalar import ScalarLoop
 from specbatch.kernels.runner import ModelRunner
 from specbatch.runtime.core import StepEvent
 from specbatch.runtime.params import SamplingParams
+from specbatch.runtime.policy import Decision
 from specbatch.runtime.request import Request
 
 
@@ -35,15 +36,22 @@ def run_scalar(target, drafter, prompt, k=4, verify="coupled", **params):
     return tokens, rounds
 
 
-def drive_scalar(target, drafter, prompt, k=4, verify="coupled", adaptive=False, tree=None, **params):
-    """A scalar loop run to the end: the request's tokens, each verify round, the loop."""
+def draft(k: int, tree=None) -> Decision:
+    """A fixed round: a chain of ``k``, or ``tree`` cut to ``k`` levels (a chain shape: a chain)."""
+    shape = None if tree is None else tree.cut(k)
+    return Decision(k) if shape is None or shape.is_chain else Decision(shape.depth, shape)
+
+
+def drive_scalar(target, drafter, prompt, k=4, verify="coupled", tree=None, **params):
+    """A scalar loop run to the end, every round ``draft(k, tree)``: the request's tokens,
+    each verify round, the loop."""
     request = make_request(target, prompt, **params)
     runner = ModelRunner(target.model)
-    loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request, k, verify, adaptive=adaptive, tree=tree)
+    loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request, verify)
     loop.start()
     rounds = []
     while not loop.finished:
-        out = loop.step()
+        out = loop.step(draft(k, tree))
         if out.verify:
             rounds.append(out.verify)
     return request.tokens, rounds, loop
@@ -56,7 +64,7 @@ def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, param
     runner = ModelRunner(target.model)
     if kv_layout:
         runner.kv_layout = kv_layout
-    loop = BatchLoop(runner, make_drafter(drafter, runner, True) if drafter else None, k, verify, tree=tree)
+    loop = BatchLoop(runner, make_drafter(drafter, runner, True) if drafter else None, verify)
     requests = [make_request(target, p, **(params[i] if params else {})) for i, p in enumerate(prompts)]
     if together:
         loop.admit_many(requests)
@@ -69,7 +77,8 @@ def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, param
         loop.reap()  # rows whose budget the capture round's token spent
     while loop.width:
         if armed:
-            out = loop.spec_round()
+            fits = tree is not None and 2 <= loop.width <= tree.max_width and verify == "coupled"
+            out = loop.spec_round(draft(k, tree.shape if fits else None))
             if out.verify:
                 rounds.append(out.verify)
             if check:

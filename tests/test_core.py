@@ -193,7 +193,8 @@ def test_max_model_len_bounds_prompt_and_budget(tiny):
 
 def test_a_row_finishing_in_a_verify_round_reports_that_round(tiny):
     """The completion is taken after the round is recorded: its spec stats include it."""
-    with EngineCore(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=4)) as core:
+    config = EngineConfig(num_draft_tokens=3, speculative_width_cap=4, fixed_draft=True)
+    with EngineCore(tiny, tiny, config) as core:
         rids = [core.add("def f(x):", greedy(14)), core.add("x = 1", greedy(14))]
         run, rounds_at_finish = Run(), {}
         while core.has_work():

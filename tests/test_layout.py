@@ -17,7 +17,8 @@ PACKAGE = SRC / "specbatch"
 LAYERS = ("runtime", "kernels", "serving", "tools", "testing")
 # The machine and the data it reads: no MLX, no kernel (the chart tool and other servers'
 # schedulers load them without MLX).
-PURE = {"machine", "scheduler", "plan", "request", "output", "params", "schedule", "stats", "detok", "tree_shape"}
+PURE = {"machine", "scheduler", "plan", "request", "output", "params", "schedule", "stats", "detok", "tree_shape",
+        "policy", "admission"}
 
 
 def module_name(path: Path) -> str:

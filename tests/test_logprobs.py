@@ -10,6 +10,8 @@ import mlx.core as mx
 import pytest
 from helpers import drive, make_request
 
+from specbatch.runtime.policy import Decision
+
 from specbatch.kernels.drafters.model import ModelDrafter
 from specbatch.kernels.loops.batch import BatchLoop
 from specbatch.kernels.loops.scalar import ScalarLoop
@@ -76,15 +78,15 @@ def test_through_a_preempt_equals_plain(tiny, temperature):
     ref += _events(plain.settle(), ref_req)
     for delivered in (1, 3, 6):
         request = make_request(tiny, "def g(a, b):", **kw)
-        scalar = ScalarLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model, batch=False), request, 4)
+        scalar = ScalarLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model, batch=False), request)
         got = _events(scalar.start(), request)
         while request.emitted < delivered:
-            got += _events(scalar.step(), request)
-        batch = BatchLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model), 4)
+            got += _events(scalar.step(Decision(4)), request)
+        batch = BatchLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model))
         got += _events(batch.rebuild(scalar.close()), request)
         got += _events(batch.capture_round(), request)
         while not request.finished:
-            got += _events(batch.spec_round(), request)
+            got += _events(batch.spec_round(Decision(4)), request)
         assert max_diff(got, ref) < TOL, delivered
 
 

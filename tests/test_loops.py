@@ -6,6 +6,8 @@ import mlx.core as mx
 import pytest
 from helpers import make_request, run_batch, run_plain, run_scalar
 
+from specbatch.runtime.policy import Decision
+
 from specbatch.kernels.drafters.model import ModelDrafter
 from specbatch.kernels.loops.batch import BatchLoop
 from specbatch.kernels.loops.scalar import ScalarLoop
@@ -60,13 +62,13 @@ def test_close_anywhere_and_rebuild_in_batch(tiny, temperature):
     reference, _ = run_scalar(tiny, tiny, "def g(a, b):", k=4, **kw)
     for delivered in range(1, 12):  # every position within the first rounds
         request = make_request(tiny, "def g(a, b):", **kw)
-        scalar = ScalarLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model, batch=False), request, 4)
+        scalar = ScalarLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model, batch=False), request)
         scalar.start()
         while request.emitted < delivered:
-            scalar.step()
+            scalar.step(Decision(4))
         handoff = scalar.close()
         assert handoff.emitted == delivered
-        batch = BatchLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model), 4)
+        batch = BatchLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model))
         batch.rebuild(handoff)
         held = request.prompt + request.tokens[:-1]  # everything before the pending token
         assert batch.kv.lengths() == [len(held)]
@@ -77,7 +79,7 @@ def test_close_anywhere_and_rebuild_in_batch(tiny, temperature):
         batch.capture_round()
         assert batch.drafter.kv.lengths() == [len(request.prompt) + request.emitted - 2]
         while not request.finished:
-            batch.spec_round()
+            batch.spec_round(Decision(4))
         assert request.tokens == reference, delivered
 
 
@@ -118,7 +120,7 @@ def test_budget_edges(tiny):
 
 
 def test_capture_round_emits_one_token_per_row_at_plain_cost(tiny):
-    loop = BatchLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model), 4)
+    loop = BatchLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model))
     requests = [make_request(tiny, p, max_tokens=20, ignore_eos=True) for p in PROMPTS[:3]]
     for r in requests:
         loop.admit(r)
@@ -143,40 +145,17 @@ def test_a_burst_joins_an_armed_batch_in_one_prefill(tiny, tiny_draft, drafter_k
     params = dict(max_tokens=12, ignore_eos=True)
     plain = [run_plain(tiny, p, **params) for p in PROMPTS[:6]]
     runner = ModelRunner(tiny.model)
-    loop = BatchLoop(runner, make_drafter(drafter, runner, True), 3)
+    loop = BatchLoop(runner, make_drafter(drafter, runner, True))
     first = [make_request(tiny, p, **params) for p in PROMPTS[:2]]
     loop.admit_many(first)
     loop.capture_round()
-    loop.spec_round()
+    loop.spec_round(Decision(3))
     later = [make_request(tiny, p, **params) for p in PROMPTS[2:6]]
     loop.admit_many(later)
     assert loop.drafter.width == loop.width == 6
     while loop.width:
-        loop.spec_round()
+        loop.spec_round(Decision(3))
         loop.reap()
     assert [r.tokens for r in first + later] == plain
 
 
-def test_adaptive_draft_length_follows_acceptance(tiny, tiny_draft):
-    """A perfect drafter keeps rounds at k; a random one shrinks them to one draft; the
-    streams stay plain decoding's either way."""
-    from specbatch.kernels.loops.verify import RoundResult, next_k
-    assert next_k(2, 6, RoundResult([], [2, 2], 2)) == 4  # all accepted: +2
-    assert next_k(5, 6, RoundResult([], [5], 5)) == 6  # ...up to the most
-    assert next_k(4, 6, RoundResult([], [1, 0], 4)) == 3  # under half: -1
-    assert next_k(1, 6, RoundResult([], [0], 1)) == 1  # never below one
-    assert next_k(4, 6, RoundResult([], [3, 2], 4)) == 4  # in between: keep
-    from helpers import make_request
-
-    from specbatch.kernels.build import make_drafter
-    for drafter, oracle in ((tiny, True), (tiny_draft, False)):
-        request = make_request(tiny, "def f(x):", max_tokens=40, ignore_eos=True)
-        runner = ModelRunner(tiny.model)
-        loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request, 6, adaptive=True)
-        loop.start()
-        seen = []
-        while not loop.finished:
-            loop.step()
-            seen.append(loop.k_now)
-        assert (set(seen) == {6}) if oracle else (min(seen) == 1 and seen.count(1) > len(seen) // 2), seen
-        assert request.tokens == run_plain(tiny, "def f(x):", max_tokens=40, ignore_eos=True)

@@ -267,10 +267,10 @@ def test_env_cap_beats_config(model_dir, monkeypatch):
 
 
 def test_cap_is_inclusive_and_zero_uncaps():
-    assert EngineConfig(speculative_width_cap=2).speculates_at(2)
-    assert not EngineConfig(speculative_width_cap=2).speculates_at(3)
-    assert EngineConfig(speculative_width_cap=0).speculates_at(1000)
-    assert not EngineConfig(speculation=False).speculates_at(1)
+    assert EngineConfig(speculative_width_cap=2).policy().within_cap(2)
+    assert not EngineConfig(speculative_width_cap=2).policy().within_cap(3)
+    assert EngineConfig(speculative_width_cap=0).policy().within_cap(1000)
+    assert not EngineConfig(speculation=False).policy().within_cap(1)
 
 
 def test_chart_matches_the_machine():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from helpers import make_request, run_batch, run_plain, run_scalar
+
+from specbatch.runtime.policy import Decision
 from test_properties import run_schedules
 
 from specbatch import Engine, SamplingParams
@@ -39,16 +41,16 @@ def test_mtp_close_anywhere_and_rebuild(tiny, head):
     for delivered in (1, 2, 3, 5, 8):
         request = make_request(tiny, "def g(a):", **kw)
         runner = ModelRunner(tiny.model)
-        scalar = ScalarLoop(runner, MTPDrafter(head, runner), request, 3)
+        scalar = ScalarLoop(runner, MTPDrafter(head, runner), request)
         scalar.start()
         while request.emitted < delivered:
-            scalar.step()
-        batch = BatchLoop(runner, MTPDrafter(head, runner), 3)
+            scalar.step(Decision(3))
+        batch = BatchLoop(runner, MTPDrafter(head, runner))
         batch.rebuild(scalar.close())
         batch.capture_round()  # cold start: one hidden state per row, no re-prefill
         assert batch.drafter.width == 1
         while not request.finished:
-            batch.spec_round()
+            batch.spec_round(Decision(3))
         assert request.tokens == reference
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import drive, drive_scalar, make_request, run_plain
+from helpers import draft, drive, drive_scalar, make_request, run_plain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +16,7 @@ from specbatch.kernels.drafters.ngram import NGramSource, propose, propose_tree
 from specbatch.kernels.build import make_drafter
 from specbatch.kernels.loops.scalar import ScalarLoop
 from specbatch.kernels.runner import ModelRunner
+from specbatch.runtime.policy import Decision, RowState
 from specbatch.runtime.tree_shape import TreeLayout, TreeShape, walk
 
 # dynamic bounds too: drafters other than the MTP head draft the bound
@@ -62,16 +63,16 @@ def test_prompt_lookup_tree_is_a_trie_over_the_chain(seq, shape):
     assert one[1:] == chain
 
 
-def run_tree(target, drafter_source, prompt, shape, k=4, adaptive=False, **params):
-    return drive_scalar(target, drafter_source, prompt, k, adaptive=adaptive, tree=shape, **params)
+def run_tree(target, drafter_source, prompt, shape, k=4, **params):
+    return drive_scalar(target, drafter_source, prompt, k, tree=shape, **params)
 
 
-@given(shape=SHAPES, k=st.integers(1, 5), adaptive=st.booleans(), drafter=st.integers(0, 2),
+@given(shape=SHAPES, k=st.integers(1, 5), drafter=st.integers(0, 2),
        temperature=st.sampled_from([0.0, 0.0, 0.8, 1.0]), top_p=st.sampled_from([1.0, 0.9]),
        seed=st.integers(0, 2**32 - 1), length=st.integers(1, 12), budget=st.integers(1, 30),
        salt=st.integers(0, 400))
 @settings(max_examples=150)
-def test_tree_streams_equal_plain_on_the_fake_kernel(fakes, shape, k, adaptive, drafter, temperature, top_p,
+def test_tree_streams_equal_plain_on_the_fake_kernel(fakes, shape, k, drafter, temperature, top_p,
                                                      seed, length, budget, salt):
     target, drafters = fakes
     # repeats, so prompt lookup matches: one continuation (period 3) or several (a token
@@ -80,7 +81,7 @@ def test_tree_streams_equal_plain_on_the_fake_kernel(fakes, shape, k, adaptive, 
     branching = [(salt + (7 * i if i % 2 else 0)) % 500 + 3 for i in range(length)]
     prompt = branching if salt % 2 else period
     params = dict(max_tokens=budget, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=True)
-    got, rounds, _ = run_tree(target, drafters[drafter], prompt, shape, k, adaptive, **params)
+    got, rounds, _ = run_tree(target, drafters[drafter], prompt, shape, k, **params)
     assert got == run_plain(target, prompt, **params)
     depth = k if shape.is_chain else min(k, shape.depth)  # a chain shape drafts chains of k
     assert all(len(r.emitted[0]) == r.accepted[0] + 1 and r.drafted <= depth for r in rounds)
@@ -134,10 +135,10 @@ def test_kv_after_accepted_branches_equals_plain_kv(tiny, tiny_draft, temperatur
     for drafter in (tiny, tiny_draft):
         request = make_request(tiny, prompt, max_tokens=24, temperature=temperature, seed=11)
         runner = ModelRunner(tiny.model)
-        loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request, 3, tree=TreeShape([3, 2, 1]))
+        loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request)
         loop.start()
         while not loop.finished:
-            out = loop.step()
+            out = loop.step(draft(3, TreeShape([3, 2, 1])))
             if out.verify:
                 moved += out.verify.accepted[0] >= 2  # p_2 is node 4 or later in [3, 2, 1]
                 if not loop.finished:
@@ -157,9 +158,9 @@ def test_kv_check_catches_a_missing_compaction(tiny, monkeypatch):
     prompt = [5, 9, 13, 5, 9, 17, 5, 9]
     request = make_request(tiny, prompt, max_tokens=8)
     runner = ModelRunner(tiny.model)
-    loop = ScalarLoop(runner, make_drafter(tiny, runner, False), request, 3, tree=TreeShape([2, 2, 1]))
+    loop = ScalarLoop(runner, make_drafter(tiny, runner, False), request)
     loop.start()
-    loop.step()
+    loop.step(draft(3, TreeShape([2, 2, 1])))
     assert loop.last_round.accepted[0] == 3  # path 1, 3, 7: columns 3 and 7 should have moved
     held = held_tokens(request, loop)
     with pytest.raises(AssertionError):
@@ -172,7 +173,7 @@ def test_tree_streams_equal_plain_on_tiny_models(tiny, tiny_draft, shape, temper
     prompt = [7, 21, 8, 7, 21, 9, 7, 21]
     ref = run_plain(tiny, prompt, max_tokens=20, temperature=temperature, seed=5)
     for source in (tiny, tiny_draft, NGramSource(tiny.vocab_size)):
-        got, _, _ = run_tree(tiny, source, prompt, TreeShape.parse(shape), adaptive=True, max_tokens=20,
+        got, _, _ = run_tree(tiny, source, prompt, TreeShape.parse(shape), max_tokens=20,
                              temperature=temperature, seed=5)
         assert got == ref
 
@@ -188,7 +189,7 @@ def test_tree_drafts_equal_chain_drafts_along_every_path(tiny, tiny_draft, mtp_h
         request = make_request(tiny, [5, 9, 13, 5, 9, 17, 5, 9], max_tokens=30)
         runner = ModelRunner(tiny.model)
         loop = ScalarLoop(runner, make_drafter(tiny_draft if kind == "model" else mtp_head, runner, False),
-                          request, 3)
+                          request)
         loop.start()
         return loop
 
@@ -236,16 +237,10 @@ def test_tree_depth_raises_the_width1_draft_length_and_config_reads_the_tree():
     schedule = DraftSchedule([1, 4], [Band(0.0, [2, 1]), Band(0.7, [1, 0]), Band(1.0, [0, 0])])
     raised = with_tree_depth(schedule, TreeShape([2, 1, 1]), 0.7)
     assert [b.k for b in raised.bands] == [(3, 1), (3, 0), (0, 0)]
-    config = EngineConfig(tree_shape="2,1,1", tree_max_temperature=0.7)
+    config = EngineConfig(tree_shape="2,1,1", tree_max_temperature=0.7, fixed_draft=True)
     assert config.tree_shape == TreeShape([2, 1, 1]) and EngineConfig(tree_shape="1,1").tree_shape is None
-    hot, cold = (make_request_params(t) for t in (0.9, 0.7))
-    assert config.tree_for(hot) is None and config.tree_for(cold) == TreeShape([2, 1, 1])
-
-
-def make_request_params(temperature):
-    class Req:
-        params = SamplingParams(temperature=temperature)
-    return Req()
+    hot, cold = (config.policy().decide([RowState((0.5,), t)]) for t in (0.9, 0.7))
+    assert hot == Decision(4) and cold == Decision(3, TreeShape([2, 1, 1]))
 
 
 def test_load_pair_reads_a_calibrated_tree(tmp_path, monkeypatch, model_dir):

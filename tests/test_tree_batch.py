@@ -7,7 +7,7 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
-from helpers import drive, make_request, run_batch, run_plain
+from helpers import draft, drive, make_request, run_batch, run_plain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tree import SHAPES, assert_kv_equal, plain_kv
@@ -143,14 +143,14 @@ def test_batched_tree_kv_equals_plain_kv_after_second_child_paths(tiny, layout):
     runner = ModelRunner(tiny.model)
     runner.kv_layout = layout
     oracle = OracleTrees(tiny)
-    loop = BatchLoop(runner, oracle, 3, tree=BatchTree("2,2,2", max_width=4))
+    loop = BatchLoop(runner, oracle)
     requests = [make_request(tiny, p, max_tokens=n) for p, n in zip(prompts, (20, 14, 9))]
     for r in requests:
         loop.admit(r)
     loop.capture_round()
     accepted = []
     while loop.width:
-        out = loop.spec_round()
+        out = loop.spec_round(draft(3, TreeShape.parse("2,2,2") if loop.width >= 2 else None))
         accepted += out.verify.accepted if out.verify else []
         for i, row in enumerate(loop.rows):
             if not row.request.finished:
@@ -168,12 +168,12 @@ def test_kv_check_catches_a_batch_compaction_that_only_trims(tiny, monkeypatch):
         kv.trim_rows([n - (r + len(p) + 1) for n, r, p in zip(kv.lengths(), roots, paths)])
     monkeypatch.setattr(tree_loop, "compact_rows", trim_only)
     runner = ModelRunner(tiny.model)
-    loop = BatchLoop(runner, OracleTrees(tiny), 2, tree=BatchTree("2,2", max_width=4))
+    loop = BatchLoop(runner, OracleTrees(tiny))
     requests = [make_request(tiny, p, max_tokens=8) for p in ([5, 9, 13, 5], [7, 21, 8, 7, 2])]
     for r in requests:
         loop.admit(r)
     loop.capture_round()
-    assert loop.spec_round().verify.accepted == [2, 2]
+    assert loop.spec_round(draft(2, TreeShape.parse("2,2"))).verify.accepted == [2, 2]
     with pytest.raises(AssertionError):
         assert_kv_equal(loop.kv.extract(0), plain_kv(tiny, held_tokens(requests[0])))
 
@@ -183,7 +183,7 @@ def test_mtp_batched_trees_equal_each_rows_own_tree(tiny, mtp_head, shape):
     """The MTP head's tree per row, drafted for the whole batch at once, equals the tree the
     row drafts alone (its own context and hidden state), static and dynamic."""
     runner = ModelRunner(tiny.model)
-    loop = BatchLoop(runner, MTPDrafter(mtp_head, runner), 3)
+    loop = BatchLoop(runner, MTPDrafter(mtp_head, runner))
     for p in ([5, 9, 13, 5, 9, 17], [7, 21, 8], [3, 3, 4, 11, 12, 40, 41, 2, 8, 9]):
         loop.admit(make_request(tiny, p, max_tokens=20))
     loop.capture_round()
@@ -221,7 +221,7 @@ def test_batch_tree_config_width_and_temperature_limits(fakes):
     assert BatchTree.of(BatchTree("2,1", 3).to_json()) == BatchTree("2,1", 3)
     with pytest.raises(ValueError):
         BatchTree("2,1", max_width=1)
-    config = EngineConfig(num_draft_tokens=3, speculative_width_cap=0, rearm_min_remaining=3,
+    config = EngineConfig(num_draft_tokens=3, speculative_width_cap=0, rearm_min_remaining=3, fixed_draft=True,
                           batch_tree=BatchTree("2,2", max_width=3, max_temperature=0.5))
     for temps in ([0.0, 0.0], [0.0] * 5, [0.0, 0.9, 0.0], [0.9, 0.0]):
         jobs = [([(7 * i) % 97 + 3, 5, 9, 5, 9], SamplingParams(max_tokens=10 + 3 * i, temperature=t, seed=i,

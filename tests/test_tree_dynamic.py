@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from helpers import drive_scalar, make_request, run_plain
+from helpers import draft, drive_scalar, make_request, run_plain
 from test_tree import assert_kv_equal, held_tokens, plain_kv
 
 from specbatch.kernels.build import make_drafter
@@ -34,10 +34,10 @@ def test_dynamic_shapes_parse_print_cut_and_configure():
     assert [str(s) for s in candidates("1,1;2,1;3,2,1@0.1", dynamic=False)] == ["2,1"]  # no pruning drafter
 
 
-def fresh_loop(tiny, head, k=3):
+def fresh_loop(tiny, head):
     request = make_request(tiny, PROMPT, max_tokens=30)
     runner = ModelRunner(tiny.model)
-    loop = ScalarLoop(runner, make_drafter(head, runner, False), request, k)
+    loop = ScalarLoop(runner, make_drafter(head, runner, False), request)
     loop.start()
     return loop
 
@@ -95,16 +95,16 @@ def test_dynamic_tree_streams_and_kv_equal_plain(tiny, mtp_head, shape, temperat
     params = dict(max_tokens=24, temperature=temperature, seed=7)
     request = make_request(tiny, PROMPT, **params)
     runner = ModelRunner(tiny.model)
-    loop = ScalarLoop(runner, make_drafter(mtp_head, runner, False), request, 3, tree=TreeShape.parse(shape))
+    loop = ScalarLoop(runner, make_drafter(mtp_head, runner, False), request)
     loop.start()
     sizes = []
     while not loop.finished:
-        out = loop.step()
+        out = loop.step(draft(3, TreeShape.parse(shape)))
         if out.verify:
             sizes.append(out.verify.drafted)
             if not loop.finished:
                 assert_kv_equal(loop.cache, plain_kv(tiny, held_tokens(request, loop)))
     assert request.tokens == run_plain(tiny, PROMPT, **params)
     assert sizes and max(sizes) <= 3
-    got, _, _ = drive_scalar(tiny, mtp_head, PROMPT, 3, adaptive=True, tree=TreeShape.parse(shape), **params)
+    got, _, _ = drive_scalar(tiny, mtp_head, PROMPT, 3, tree=TreeShape.parse(shape), **params)
     assert got == request.tokens

@@ -40,7 +40,7 @@ class LoopKernels:
     """``scheduler.Kernels`` over a real target (and drafter source)."""
 
     runner: TargetRunner
-    config: object  # EngineConfig: k, verify mode, adaptive rounds
+    config: object  # EngineConfig: the verify mode, the prefill settings
     drafter_source: object | None  # a draft model, an MTP head, an n-gram source; None: plain
     drafter_factory: object = make_drafter  # (source, runner, batch) -> Drafter
     prompt_cache: PromptCache = attrs.field(factory=PromptCache)
@@ -59,11 +59,8 @@ class LoopKernels:
     def _drafter(self, batch: bool):
         return self.drafter_factory(self.drafter_source, self.runner, batch)
 
-    def scalar(self, request: Request, k: int) -> tuple[ScalarLoop, RoundOutput]:
-        c = self.config
-        loop = ScalarLoop(self.runner, self._drafter(batch=False), request, c.num_draft_tokens,
-                          c.verify, c.adaptive_k, tree=c.tree_for(request))
-        loop.limit_draft(k)
+    def scalar(self, request: Request) -> tuple[ScalarLoop, RoundOutput]:
+        loop = ScalarLoop(self.runner, self._drafter(batch=False), request, self.config.verify)
         partial, reused = self.chunks.take(request), 0
         if partial is not None:  # (some of) its prompt was prefilled between rounds
             out = loop.start(partial.cache, partial.logits, partial.hidden)
@@ -75,9 +72,8 @@ class LoopKernels:
         return loop, out
 
     def batch(self, speculative: bool) -> BatchLoop:
-        c = self.config
         drafter = self._drafter(batch=True) if speculative else None
-        loop = BatchLoop(self.runner, drafter, c.num_draft_tokens, c.verify, c.adaptive_k, tree=c.batch_tree)
+        loop = BatchLoop(self.runner, drafter, self.config.verify)
         loop.retire = self.prompt_cache.retire
         return loop
 

@@ -8,6 +8,9 @@ import os
 import platform
 from pathlib import Path
 
+import attrs
+
+from .policy import PRIOR_ACCEPTANCE, CostModel, Prior
 from .schedule import DraftSchedule
 
 
@@ -29,14 +32,15 @@ SHIPPED = Path(__file__).parents[1] / "demo_models" / "calibration.json"  # meas
 
 
 def lookup(target: str, drafter: str | None, field: str = "cap", kind=int):
-    """A calibrated value ("cap", "k" or "max_temperature") for this pair on this machine:
+    """A calibrated value ("cap", "k" or "max_temperature"; "": the whole entry) for this pair on this machine:
     the user's own calibration first, then the one shipped with the demo pair."""
     for path in (calibration_file(), SHIPPED):
         if not path.exists():
             continue
         try:
             table = json.loads(path.read_text())
-            value = table[machine_key()][pair_key(target, drafter)][field]
+            value = table[machine_key()][pair_key(target, drafter)]
+            value = value[field] if field else value
             return None if value is None else kind(value)
         except (KeyError, ValueError, TypeError, json.JSONDecodeError):
             continue
@@ -67,3 +71,67 @@ def store_fields(target: str, drafter: str | None, fields: dict, replace: bool =
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1))
     return path
+
+
+def _least_squares(points: list) -> tuple[float, float] | None:
+    """(intercept, slope) of ``points`` [(x, y)]; None below two distinct x."""
+    xs = {x for x, _ in points}
+    if len(xs) < 2:
+        return None
+    n = len(points)
+    mx_, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx_) * (y - my) for x, y in points) / sum((x - mx_) ** 2 for x, _ in points)
+    return my - slope * mx_, slope
+
+
+def _greedy_tok_s(measured: dict, k: str) -> dict:
+    """{width: tokens/s} of draft length ``k`` ("0": plain) in the greedy rows of ``measured``."""
+    out = {}
+    for key, by_k in measured.items():
+        band, _, width = key.partition(" width=")
+        if band == "T=0.0" and k in by_k and by_k[k]:
+            out[int(width)] = float(by_k[k])
+    return out
+
+
+def derive_prior(entry: dict, base: dict) -> Prior:
+    """A conservative prior where the calibration has no cost table: the target's forward
+    fitted to the plain rounds (seconds = width / tokens/s, or the stored decode step), the
+    acceptance at position 1 from the measured chain of one (deeper positions: the same),
+    and the drafter step as what a chain of one cost beyond its forward at that acceptance
+    (the widest such gap, so the policy never expects more than was measured)."""
+    measured = entry.get("measured_tok_s") or {}
+    plain = _greedy_tok_s(measured, "0")
+    fit = _least_squares([(w, w / t) for w, t in plain.items()])
+    step = base.get("decode_step_s")
+    if fit is None or fit[1] <= 0:
+        fixed = step if step else (1 / plain[min(plain)] if plain else CostModel().target_fixed_s)
+        fit = (fixed, fixed * CostModel().target_token_s)
+    chain = (entry.get("tree_measured") or {}).get("T=0.0 width=1", {}).get("chain k=1", {})
+    a = min(max(chain.get("tokens_per_round", 1 + PRIOR_ACCEPTANCE) - 1.0, 0.0), 1.0)
+    cost = CostModel(fit[0], fit[1], 0.0, 0.0)
+    gaps = [w * (1 + a) / t - cost.forward_s(w, 2) for w, t in _greedy_tok_s(measured, "1").items()]
+    draft = max([g for g in gaps if g > 0], default=0.1 * fit[0])
+    return Prior(attrs.evolve(cost, draft_fixed_s=draft), (a,))
+
+
+def prior_for(target: str, drafter: str | None) -> Prior:
+    """The pair's stored prior ("cost" and "acceptance"), else one derived from what it has."""
+    entry = lookup(target, drafter, "", _entry) or {}
+    base = lookup(target, None, "", _entry) or {}
+    if "cost" in entry and entry.get("acceptance"):
+        return Prior(CostModel.from_json(entry["cost"]), entry["acceptance"])
+    return derive_prior(entry, base)
+
+
+def _entry(value):
+    return dict(value)
+
+
+def acceptance_by_position(histogram: dict, drafted: int) -> list[float]:
+    """Conditional acceptance per draft position from rounds of ``drafted`` drafts:
+    ``histogram[n]`` rows accepted exactly n; position i accepts P(>= i) / P(>= i - 1).
+    (Rounds cut short by a budget's tail count as accepting what they drafted.)"""
+    counts = {int(n): c for n, c in histogram.items()}
+    at_least = [sum(c for n, c in counts.items() if n >= i) for i in range(drafted + 1)]
+    return [round(at_least[i] / at_least[i - 1], 4) for i in range(1, drafted + 1) if at_least[i - 1]]

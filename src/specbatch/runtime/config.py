@@ -12,7 +12,7 @@ import os
 
 import attrs
 
-from .schedule import DraftSchedule
+from .policy import Prior, SpecPolicy, to_prior
 from .tree_shape import BatchTree, TreeShape
 
 DEFAULT_K = 4
@@ -78,15 +78,16 @@ class EngineConfig:
     kv_layout: str = attrs.field(default="dense", validator=attrs.validators.in_(("dense", "paged")))
     kv_bits: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_((4, 8))))
     verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))
-    adaptive_k: bool = True  # draft length per round follows acceptance (num_draft_tokens is the most)
-    # requests sampled hotter than this decode plain (None: any temperature speculates);
-    # calibrated: where speculation stopped paying at width 1 for the pair
+    # False: the policy picks each round's draft (plain, k <= num_draft_tokens, a tree) from
+    # the cost model and live acceptance; True: every speculating round drafts exactly
+    # num_draft_tokens (or the tree shape), the explicit override for A/B runs
+    fixed_draft: bool = False
+    # requests sampled hotter than this gate the batch (None: any temperature speculates)
     max_spec_temperature: float | None = None
-    # calibrated draft length per width and temperature band (None: num_draft_tokens
-    # wherever the cap and max_spec_temperature allow); num_draft_tokens caps it
-    draft_schedule: DraftSchedule | None = None
-    # the token tree a lone (width-1) request drafts per round (None: a chain of
-    # num_draft_tokens); calibrated per pair; its depth is cut to the round's draft length
+    # the calibrated cost model and acceptance prior the policy decides from
+    prior: Prior = attrs.field(factory=Prior, converter=to_prior)
+    # a candidate token tree for a lone (width-1) request (None: chains); the policy drafts
+    # it where it expects more tokens per second than any chain; cut to num_draft_tokens
     tree_shape: TreeShape | None = attrs.field(default=None, converter=to_tree)
     # requests sampled hotter than this draft chains even alone (None: any temperature)
     tree_max_temperature: float | None = None
@@ -102,32 +103,13 @@ class EngineConfig:
     prefill_chunk: int = attrs.field(default=DEFAULT_PREFILL_CHUNK, validator=_positive)
     chunked_prefill: bool = True  # False: a long arrival prefills whole at admission (live rows wait)
 
-    def draft_length(self, requests) -> int:
-        """How many tokens ``requests`` decoding together draft per round (0: plain): within
-        the cap, none hotter than ``max_spec_temperature``, then the schedule's k."""
-        width = len(requests)
-        if not width or not self.speculates_at(width):
-            return 0
-        hottest = max(r.params.temperature for r in requests)
-        if self.max_spec_temperature is not None and hottest > self.max_spec_temperature:
-            return 0
-        if self.draft_schedule is None:
-            return self.num_draft_tokens
-        return min(self.num_draft_tokens, self.draft_schedule.draft_length(width, hottest))
-
-    def tree_for(self, request) -> TreeShape | None:
-        """The tree a lone ``request`` drafts (None: chains)."""
-        hot = self.tree_max_temperature is not None and request.params.temperature > self.tree_max_temperature
-        return None if hot else self.tree_shape
-
-    def speculates_for(self, requests) -> bool:
-        """``requests`` decoding together speculate: their draft length is above 0."""
-        return self.draft_length(requests) > 0
-
-    def speculates_at(self, width: int) -> bool:
-        """The cap is inclusive: width == cap still speculates; 0 means uncapped."""
-        cap = self.speculative_width_cap
-        return self.speculation and (cap == 0 or width <= cap)
+    def policy(self) -> SpecPolicy:
+        """The speculation policy these settings describe (the one place a draft is decided)."""
+        return SpecPolicy(prior=self.prior, max_k=self.num_draft_tokens, speculation=self.speculation,
+                          fixed=self.fixed_draft, cap=self.speculative_width_cap,
+                          max_temperature=self.max_spec_temperature, tree=self.tree_shape,
+                          tree_max_temperature=self.tree_max_temperature, batch_tree=self.batch_tree,
+                          trees=self.verify == "coupled")
 
 
 def env_cap() -> int | None:
@@ -169,22 +151,11 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
     elif draft_model is not None and speculation:
         drafter = models.load(draft_model, dtype=dtype)
         models.check_pair(target, drafter)
-    from .calibration import lookup
-    schedule = None
-    if drafter is not None and "draft_schedule" not in options:
-        schedule = lookup(target.name, drafter.name, "schedule", DraftSchedule.from_json)
-        options["draft_schedule"] = schedule
-    cap = env_cap()  # the environment, then the argument, then the calibration
-    if cap is None:
-        cap = speculative_width_cap
-    if cap is None and schedule is not None:
-        cap = schedule.cap()
-    if cap is None:
-        cap = lookup(target.name, drafter.name if drafter else None, "cap")
-    if num_draft_tokens is None and schedule is not None:
-        num_draft_tokens = max(1, schedule.max_k())
+    from .calibration import lookup, prior_for
+    if drafter is not None and "prior" not in options:
+        options["prior"] = prior_for(target.name, drafter.name)
     if num_draft_tokens is None and drafter is not None:
-        num_draft_tokens = lookup(target.name, drafter.name, "k")
+        num_draft_tokens = lookup(target.name, drafter.name, "max_k")
     if options.get("prefill_chunk") is None:  # set, else calibrated for this target, else the default
         options.pop("prefill_chunk", None)
         chunk = lookup(target.name, None, "prefill_chunk")
@@ -198,8 +169,14 @@ def load_pair(model=None, draft_model=None, *, speculation=True, speculative_wid
     if "max_spec_temperature" not in options and drafter is not None:
         options["max_spec_temperature"] = lookup(target.name, drafter.name, "max_temperature", float)
     fields = dict(options, speculation=speculation and drafter is not None)
-    if cap is not None:
-        fields["speculative_width_cap"] = cap
     if num_draft_tokens is not None:
         fields["num_draft_tokens"] = num_draft_tokens
+    cap = env_cap()  # the environment, then the argument, then where the policy expects speculation to pay
+    if cap is None:
+        cap = speculative_width_cap
+    if cap is None and fields["speculation"]:
+        unset = EngineConfig(**fields)  # nothing pays: the cap is 1 and the policy decodes plain
+        cap = max(1, unset.policy().paying_width(unset.max_batch))
+    if cap is not None:
+        fields["speculative_width_cap"] = cap
     return target, drafter, EngineConfig(**fields)

@@ -22,7 +22,7 @@ from ..errors import EngineClosed
 from ..kernels.build import build_scheduler
 from ..kernels.models import LoadedModel
 from .config import EngineConfig
-from .core import EngineCore, release_memory  # noqa: F401  (release_memory: its old home)
+from .core import EngineCore
 from .params import SamplingParams
 from .plan import Lockstep, Plan
 from .request import Request, RequestHandle

@@ -20,12 +20,13 @@ join while rows decode; at Idle nobody decodes, so every waiter is admitted.
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING, Callable
 
 import structlog
 from transitions import Machine
 
+from .admission import room, within_budget
+from .policy import AcceptanceBook
 from .scheduler import BatchRounds, Kernels, ScalarRounds, take
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ class SpecMachine:
         self.batch: BatchRounds | None = None
         self.waiting, self.more_coming, self.done = None, False, []
         self.calm_rounds = 0  # gated rounds in a row spent within the cap (re-arm hysteresis)
+        self.policy = config.policy()  # decides every round's draft (pure)
+        self.book = AcceptanceBook(config.prior, config.num_draft_tokens)  # live rows' acceptance
         self.machine = build_machine(self)
 
     # -- guards (pure) ------------------------------------------------------------------
@@ -95,11 +98,11 @@ class SpecMachine:
         return self.kernels.speculative
 
     def lone_arrival(self) -> bool:
-        return self.speculative and len(self.waiting) == 1 and self.config.speculates_for(self.waiting)
+        return self.speculative and len(self.waiting) == 1 and self._speculates(self.waiting)
 
     def burst_within_cap(self) -> bool:
         n = self._room()
-        return self.speculative and n >= 2 and self.config.speculates_for(list(self.waiting)[:n])
+        return self.speculative and n >= 2 and self._speculates(list(self.waiting)[:n])
 
     def plain_arrivals(self) -> bool:
         return bool(self.waiting) and not self.lone_arrival() and not self.burst_within_cap()
@@ -118,23 +121,26 @@ class SpecMachine:
         """Arrivals would take the batch over the cap, or one is too hot for speculation."""
         ready = self._ready()
         joining = [r.request for r in self.batch.rows] + ready[:self._room()]
-        return bool(ready) and not self.config.speculates_for(joining)
+        return bool(ready) and not self._speculates(joining)
 
     def rearm_pays(self) -> bool:
         rows = self.batch.rows
         live = [r.request.remaining for r in rows if not r.request.finished]
         return (self.speculative and self.config.resume and not self._ready() and bool(live)
-                and self.config.speculates_for([r.request for r in rows])
+                and self._speculates([r.request for r in rows])
                 and max(live) >= self.config.rearm_min_remaining
                 and self.calm_rounds >= self.config.rearm_patience)
 
     def no_rows(self) -> bool:
         return self.batch.width == 0
 
+    def _speculates(self, requests) -> bool:
+        return self.policy.speculates([r.params.temperature for r in requests])
+
     # -- hooks ------------------------------------------------------------------------
     def begin_scalar(self) -> None:
         request = self.waiting.popleft()
-        self.scalar, out = self.kernels.scalar(request, self.config.draft_length([request]))
+        self.scalar, out = self.kernels.scalar(request)
         self.deliver(out)
 
     def begin_batch(self) -> None:
@@ -184,7 +190,7 @@ class SpecMachine:
             self._admit()
 
     def count_calm(self) -> None:
-        self.calm_rounds = self.calm_rounds + 1 if self.config.speculates_at(self.batch.width) else 0
+        self.calm_rounds = self.calm_rounds + 1 if self.policy.within_cap(self.batch.width) else 0
 
     def prefill(self) -> None:
         """One chunk of the oldest long arrival still prefilling, between two rounds (a
@@ -197,15 +203,19 @@ class SpecMachine:
         self.deliver(out)
 
     def scalar_round(self) -> None:
-        self.deliver(self.scalar.step())
+        self._observe(self.scalar.step(self._decide([self.scalar.request])))
 
     def spec_round(self) -> None:
-        requests = [r.request for r in self.batch.rows]
-        self.batch.limit_draft(self.config.draft_length(requests))  # the schedule's k at this width
-        out = self.batch.spec_round()
+        self._observe(self.batch.spec_round(self._decide([r.request for r in self.batch.rows])))
+
+    def _decide(self, requests):
+        self.book.keep(requests)  # the policy decides the round from the live rows' acceptance
+        return self.policy.decide(self.book.rows(requests))
+
+    def _observe(self, out) -> None:
         self.deliver(out)
-        if out.verify is not None:
-            log.debug("verify", width=len(requests), k=out.verify.drafted, accepted=out.verify.accepted)
+        if out.verify is not None:  # a verify round updates its rows' acceptance
+            self.book.observe(out.verified, out.verify.drafted, out.verify.accepted)
 
     def plain_round(self) -> None:
         pipelined = self.config.pipeline and not (self.more_coming or self._ready())
@@ -237,29 +247,10 @@ class SpecMachine:
         return [r for r in self.waiting if self.kernels.ready(r)] if self.requests() else list(self.waiting)
 
     def _room(self) -> int:
-        """Waiters the next drain may admit: within max_batch rows, the KV budget (each
-        row reserves its prompt, its budget and a verify's lookahead) and, while rows
-        decode, one chunk of prompt tokens to prefill (at least one waiter)."""
-        live, joining = self.requests(), self._ready()
-        n = min(len(joining), self.config.max_batch - len(live))
-        if live and self.config.chunked_prefill:  # prefix sums of the prompt tokens to prefill
-            costs = itertools.accumulate(self.kernels.prefill_cost(r) for r in joining)
-            n = min(n, max(1, sum(1 for c in costs if c <= self.config.prefill_chunk)))
-        return len(self._within_budget(live, joining[:n]))
+        return room(self.requests(), self._ready(), self.config, self.kernels)
 
     def _within_budget(self, live: list, waiters: list) -> list:
-        """The leading ``waiters`` whose KV fits the budget beside ``live`` (each row reserves
-        its prompt, its budget and a verify's lookahead); an idle engine still takes one.
-        Prefill chunks start only for these: a partial prefill holds KV too."""
-        budget, k, per_token = self.config.kv_budget_bytes, self.config.num_draft_tokens, self.kernels.token_bytes
-        if not budget or not per_token:
-            return waiters
-        need = sum(len(r.prompt) + r.params.max_tokens + k + 1 for r in live) * per_token
-        for i, r in enumerate(waiters):
-            need += (len(r.prompt) + r.params.max_tokens + k + 1) * per_token
-            if need > budget:
-                return waiters[:max(i, int(not live))]
-        return waiters
+        return within_budget(live, waiters, self.config, self.kernels.token_bytes)
 
     def _fire(self, trigger: str) -> bool:
         """Fire ``trigger`` if its guard holds (then the round ends)."""

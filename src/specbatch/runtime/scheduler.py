@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from .output import RoundOutput
+    from .policy import Decision
     from .request import Request
 
 
@@ -40,8 +41,8 @@ class ScalarRounds(Protocol):
     request: Request
     buffered: int  # tokens of the last round not yet delivered (the next steps run no forward)
 
-    def step(self) -> RoundOutput:
-        """Deliver one token, running a speculative round when none is buffered."""
+    def step(self, decision: Decision) -> RoundOutput:
+        """Deliver one token, running the round ``decision`` says when none is buffered."""
         ...
 
     def close(self):
@@ -73,9 +74,7 @@ class BatchRounds(Protocol):
 
     def disarm(self) -> None: ...
 
-    def limit_draft(self, k: int) -> None: ...
-
-    def spec_round(self) -> RoundOutput: ...
+    def spec_round(self, decision: Decision) -> RoundOutput: ...
 
     def plain_round(self, successor: bool = True) -> RoundOutput: ...
 
@@ -88,8 +87,8 @@ class Kernels(Protocol):
     speculative: bool  # a drafter exists and speculation is on
     token_bytes: int  # target KV bytes per token (0: unknown), for the KV budget
 
-    def scalar(self, request: Request, k: int) -> tuple[ScalarRounds, RoundOutput]:
-        """A started scalar loop (prefilled, first token out) drafting at most ``k``."""
+    def scalar(self, request: Request) -> tuple[ScalarRounds, RoundOutput]:
+        """A started scalar loop (prefilled, first token out); each step is told its round."""
         ...
 
     def batch(self, speculative: bool) -> BatchRounds: ...

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..runtime.calibration import lookup, machine_key, pair_key, store, store_fields
+from ..runtime.calibration import acceptance_by_position, derive_prior, lookup, machine_key, pair_key, store, store_fields
 from ..runtime.schedule import Band, DraftSchedule
 from .bench.harness import Context, code_prompts, engine_tok_s
 from .calibrate_prefill import calibrate_prefill
@@ -31,8 +31,8 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
     widths = [int(w) for w in args.widths.split(",")]
     ks = [int(k) for k in args.draft_lengths.split(",")]
     plain = ctx.engine(speculation=False)
-    spec = {k: ctx.engine(speculative_width_cap=0, num_draft_tokens=k, adaptive_k=False, max_spec_temperature=None,
-                          draft_schedule=None) for k in ks}
+    spec = {k: ctx.engine(speculative_width_cap=0, num_draft_tokens=k, fixed_draft=True, max_spec_temperature=None)
+            for k in ks}
     bands, table = [], {}
     for t in TEMPERATURES:
         row, losing = [], 0
@@ -53,6 +53,8 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
         if bands:  # acceptance only falls with temperature: a hotter band never drafts more
             row = [min(k, colder) for k, colder in zip(row, bands[-1].k)]
         bands.append(Band(t, row))
+    deepest = spec[max(ks)].stats().get("acceptance_histogram") or {}
+    table["acceptance"] = acceptance_by_position(deepest, max(ks))
     return DraftSchedule(widths, bands), table
 
 
@@ -64,7 +66,7 @@ def run_calibrate(args) -> int:
     measure = getattr(args, "measure", "all")
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype, drafter=args.drafter,
                                         num_draft_tokens=max(int(k) for k in args.draft_lengths.split(",")),
-                                        speculative_width_cap=0, draft_schedule=None,
+                                        speculative_width_cap=0,
                                         speculation=measure != "prefill",
                                         tree_shape=None, batch_tree=None)  # the schedule is measured on chains
     if measure in ("all", "prefill"):
@@ -94,6 +96,9 @@ def run_calibrate(args) -> int:
         path = store_fields(target.name, drafter.name, {"schedule": schedule.to_json(), "cap": schedule.cap(),
                                                         "k": max(1, schedule.max_k()), **extra})
     else:
+        acceptance = table.pop("acceptance")
+        prior = derive_prior({"measured_tok_s": table}, lookup(target.name, None, "", dict) or {})
+        extra.update(cost=prior.cost.to_json(), acceptance=acceptance or list(prior.acceptance))
         path = store(target.name, drafter.name, schedule, table, extra)
     print(f"schedule {schedule.to_json()} (chains: {chains.to_json()}), cap = {schedule.cap()}; written to {path} "
           f"for {machine_key()} / {pair_key(target.name, drafter.name)}")

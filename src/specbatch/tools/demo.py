@@ -100,12 +100,11 @@ def _showable(config, args):
     import attrs
     if not config.speculation or args.speculative_width_cap is not None:
         return config
-    schedule = config.draft_schedule
-    plain = schedule is not None and (schedule.draft_length(1, 0.0) == 0 or schedule.draft_length(2, 0.0) == 0)
+    plain = config.policy().paying_width(2) < 2  # the policy expects no gain at width 1 or 2
     if plain:
         print("  (calibrated here, this drafter does not pay at widths 1-2: the engine would decode plain; "
               "the demo speculates anyway, k=4, cap=2, to show every transition)")
-        return attrs.evolve(config, draft_schedule=None, max_spec_temperature=None, speculative_width_cap=2,
+        return attrs.evolve(config, fixed_draft=True, max_spec_temperature=None, speculative_width_cap=2,
                             num_draft_tokens=args.num_draft_tokens or 4)
     if config.speculative_width_cap == 1:  # a burst within the cap needs a cap of at least 2
         print("  (the calibrated cap is 1; the demo uses 2 so that a burst within it exists)")

@@ -73,10 +73,6 @@ class Drafter(Protocol):
         """Reset, then rebuild one row per captured history."""
         ...
 
-    def to_batch(self) -> None:
-        """Convert single-sequence state to the batch form (after a preempt)."""
-        ...
-
     def nbytes(self) -> int: ...
 
 

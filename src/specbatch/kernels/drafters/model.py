@@ -111,11 +111,6 @@ class ModelDrafter:
         self.reset()
         self.add_rows(capture.histories)
 
-    def to_batch(self) -> None:
-        if not self.batch:
-            self.kv = BatchKV.from_singles(self._single) if self._single else batch_kv(self.n_layers)
-            self._single, self.batch = None, True
-
     def nbytes(self) -> int:
         if self.batch:
             return self.kv.nbytes

@@ -248,9 +248,6 @@ class MTPDrafter:
     def cold_start(self, capture: Capture) -> None:
         self.hidden = capture.hidden
 
-    def to_batch(self) -> None:
-        pass  # the hidden state is already per row
-
     def nbytes(self) -> int:
         return 0 if self.hidden is None else self.hidden.nbytes
 

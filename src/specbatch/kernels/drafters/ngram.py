@@ -145,8 +145,5 @@ class NGramDrafter:
         self.reset()
         self.add_rows(capture.histories)
 
-    def to_batch(self) -> None:
-        pass
-
     def nbytes(self) -> int:
         return 0

@@ -25,6 +25,7 @@ import mlx.core as mx
 import structlog
 
 from ...runtime.output import RoundOutput
+from ...runtime.policy import Decision
 from ...runtime.request import Request
 from ..drafters.base import Capture
 from ..kv import BatchKV
@@ -33,7 +34,7 @@ from ..paged_kv import batch_kv
 from ..runner import TargetRunner, prefill, prefill_batch
 from ..sampling import RowSampling, positions_from, sample
 from .tree import tree_capable, tree_round
-from .verify import bonus_hidden, last_hidden, next_k, spec_round
+from .verify import bonus_hidden, last_hidden, spec_round
 
 log = structlog.get_logger(__name__)
 
@@ -48,11 +49,8 @@ class Row:
 class BatchLoop:
     """Decode rounds over many rows; rows join and leave only between rounds."""
 
-    def __init__(self, target: TargetRunner, drafter=None, k: int = 4, verify: str = "coupled",
-                 adaptive: bool = False, tree=None):
-        self.target, self.drafter, self.k, self.verify = target, drafter, k, verify
-        self.tree = tree  # a BatchTree (shape, widest width, hottest temperature) or None: chains
-        self.adaptive, self.k_now = adaptive, k  # k_now: the next round's draft length
+    def __init__(self, target: TargetRunner, drafter=None, verify: str = "coupled"):
+        self.target, self.drafter, self.verify = target, drafter, verify
         self.armed = False  # the drafter holds one row per loop row
         self.retire = None  # callable(tokens, single caches): the prompt cache's intake
         self.rows: list[Row] = []
@@ -60,7 +58,6 @@ class BatchLoop:
                                 kv_bits=getattr(target, "kv_bits", None))
         self._lookahead: tuple | None = None  # lazy (tokens [B, 1], LazyLogprobs | None) of a dispatched forward
         self._sampling: RowSampling | None = None
-        self.rounds = 0
 
     @property
     def width(self) -> int:
@@ -151,22 +148,17 @@ class BatchLoop:
             self.drafter.reset()
         self.armed = False
 
-    def limit_draft(self, k: int) -> None:
-        """Draft at most ``k`` per round from now on (the schedule's k at this width; 0:
-        plain rounds). Adaptive rounds keep their current length where it is smaller."""
-        self.k, self.k_now = k, (min(self.k_now, k) if self.adaptive else k)
-
-    def spec_round(self) -> RoundOutput:
-        """One armed round: draft, verify, accept, emit per row, roll back per row."""
+    def spec_round(self, decision: Decision) -> RoundOutput:
+        """One armed round as ``decision`` says: draft, verify, accept, emit per row, roll
+        back per row (plain where it drafts nothing)."""
         assert self.settled and self.armed
-        room = max(r.request.remaining for r in self.rows) - 1
-        k = min(self.k_now, room)
-        if k < 1:
+        decision = decision.within(max(r.request.remaining for r in self.rows) - 1)
+        k = decision.k
+        if decision.plain:
             return self.plain_round(successor=False)
         pending, prev, starts = [r.pending for r in self.rows], [r.prev for r in self.rows], \
             [r.request.emitted for r in self.rows]
-        # a tree adapts by its shape, as calibrated: the adaptive chain length does not cut it
-        shape = self._tree_at(min(self.k, room))
+        shape = decision.tree if tree_capable(self.target, self.drafter, self.width) else None
         if shape is not None:  # the tree round compacts the KV and commits the drafter itself
             result = tree_round(self.target, self.kv, self.drafter, pending, prev, self._rows_sampling(), starts,
                                 shape, coupled=False)
@@ -176,28 +168,13 @@ class BatchLoop:
             back = [k - a for a in result.accepted]
             self.kv.trim_rows(back)
             self.drafter.rollback(back, hidden=bonus_hidden(self.target, result.accepted))
-        if self.adaptive and shape is None:
-            self.k_now = next_k(self.k_now, self.k, result)
         out = RoundOutput(verify=result, verified=[r.request for r in self.rows], round=True)
         for i, (row, run) in enumerate(zip(self.rows, result.emitted)):
             for token, logprob in zip(run, result.row_logprobs(i)):
                 if out.emit(row.request, token, logprob):
                     break  # finished inside the accepted run: nothing after it
             row.prev, row.pending = (run[-2] if len(run) > 1 else row.pending), run[-1]
-        self.rounds += 1
         return out
-
-    def _tree_at(self, k: int):
-        """The tree this round drafts (cut to ``k`` levels), or None for a chain: a shape
-        calibrated for this width, no row hotter than its limit, coupled verification, and
-        a pair that drafts a tree per row."""
-        t = self.tree
-        if t is None or not 2 <= self.width <= t.max_width or self.verify != "coupled":
-            return None
-        if t.max_temperature is not None and max(r.request.params.temperature for r in self.rows) > t.max_temperature:
-            return None
-        shape = t.shape.cut(k)
-        return None if shape.is_chain or not tree_capable(self.target, self.drafter, self.width) else shape
 
     def reap(self) -> list[Request]:
         """Remove finished and cancelled rows (between settled rounds); return them."""
@@ -217,16 +194,6 @@ class BatchLoop:
         self._sampling = None
         return out
 
-    def fail_all(self) -> list[Request]:
-        """Drop every row and all KV (after a failed round); return their requests."""
-        out = [r.request for r in self.rows]
-        self.rows, self._lookahead, self._sampling = [], None, None
-        self.kv = batch_kv(self.target.n_layers, layout=getattr(self.target, "kv_layout", None),
-                                kv_bits=getattr(self.target, "kv_bits", None))
-        self.disarm()
-        return out
-
-    # -- plain rounds -----------------------------------------------------------------
     def _rows_sampling(self) -> RowSampling:
         if self._sampling is None:
             self._sampling = RowSampling.of([r.request.params for r in self.rows])
@@ -260,7 +227,6 @@ class BatchLoop:
                 continue  # its successor slot is discarded at the next settle
             row.prev, row.pending = row.pending, token
             out.emit(row.request, token, lp and lp[0])
-        self.rounds += 1
         return out
 
     def settle(self) -> RoundOutput:

@@ -60,10 +60,6 @@ class ChunkedPrefill:
         partial = self._partials.get(request.id)
         return not self.long(request) or (partial is not None and partial.complete)
 
-    def pending(self, waiting) -> bool:
-        """Some waiter still has chunks to run (pure)."""
-        return any(not self.ready(r) for r in waiting)
-
     def cost(self, request: Request) -> int:
         """Prompt tokens its admission would prefill (an upper bound: cache hits are unknown)."""
         partial = self._partials.get(request.id)

@@ -15,12 +15,13 @@ import attrs
 import mlx.core as mx
 
 from ...runtime.output import RoundOutput
+from ...runtime.policy import PLAIN, Decision
 from ...runtime.request import Request
 from ..logprobs import sample_read
 from ..runner import TargetRunner, prefill
 from ..sampling import RowSampling, positions_from
 from .tree import tree_capable, tree_round
-from .verify import RoundResult, bonus_hidden, last_hidden, next_k, spec_round
+from .verify import RoundResult, bonus_hidden, last_hidden, spec_round
 
 
 @attrs.frozen
@@ -38,29 +39,19 @@ class Handoff:
     prev: int
     emitted: int
     target_cache: list
-    drafter: object | None
     logprobs: list = attrs.field(factory=list)  # parallel to undelivered (None: not asked)
 
 
 class ScalarLoop:
     """One request; speculative rounds with coupled drafting (or plain without a drafter)."""
 
-    def __init__(self, target: TargetRunner, drafter, request: Request, k: int, verify: str = "coupled",
-                 adaptive: bool = False, tree=None):
-        self.target, self.drafter, self.request = target, drafter, request
-        self.k, self.verify = k, verify
-        self.tree = tree  # a TreeShape with branching (None or a chain: chain rounds)
-        self.adaptive, self.k_now = adaptive, k  # k_now: this round's draft length
+    def __init__(self, target: TargetRunner, drafter, request: Request, verify: str = "coupled"):
+        self.target, self.drafter, self.request, self.verify = target, drafter, request, verify
         self.cache = target.make_cache()
         self._buffer: collections.deque[tuple] = collections.deque()  # (token, TokenLogprob | None)
         self._rows = RowSampling.of([request.params])
         self.pending = self.prev = -1
         self.last_round: RoundResult | None = None  # this step's verify round, if one ran
-
-    def limit_draft(self, k: int) -> None:
-        """Draft at most ``k`` per round from now on (the schedule's k at this width; 0:
-        plain rounds). Adaptive rounds keep their current length where it is smaller."""
-        self.k, self.k_now = k, (min(self.k_now, k) if self.adaptive else k)
 
     def start(self, cache: list | None = None, logits=None, hidden=None) -> RoundOutput:
         """Prefill (the rest past ``cache``), emit the first token, and prefill the drafter's
@@ -88,11 +79,11 @@ class ScalarLoop:
         """Tokens of the last round still to go out (one a step, no forward)."""
         return len(self._buffer)
 
-    def step(self) -> RoundOutput:
-        """Deliver one token (running a round when none is buffered)."""
+    def step(self, decision: Decision = PLAIN) -> RoundOutput:
+        """Deliver one token (running a round as ``decision`` says when none is buffered)."""
         self.last_round = None
         if not self._buffer:
-            self._round()
+            self._round(decision.within(self.request.remaining - 1))
         out = RoundOutput(round=True)
         if self.last_round is not None:
             out.verify, out.verified = self.last_round, [self.request]
@@ -105,18 +96,14 @@ class ScalarLoop:
         return {"kv_bytes": kv, "kv_used_bytes": kv,
                 "drafter_kv_bytes": self.drafter.nbytes() if self.drafter else 0}
 
-    def _round(self) -> None:
-        k = min(self.k_now, self.request.remaining - 1)
-        if self.drafter is None or k < 1:
+    def _round(self, decision: Decision) -> None:
+        if self.drafter is None or decision.plain:
             self._plain()
             return
-        # a tree adapts by its shape (pruned by drafted probability), as calibrated: the
-        # adaptive chain length does not cut it
-        tree_k = min(self.k, self.request.remaining - 1)
-        tree = self._tree_at(tree_k)
-        if tree:
+        k = decision.k
+        if decision.tree is not None and tree_capable(self.target, self.drafter):
             result = tree_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
-                                [self.request.emitted], self.tree.cut(tree_k))
+                                [self.request.emitted], decision.tree)
         else:
             result = spec_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
                                 [self.request.emitted], k, self.verify, coupled=True)
@@ -124,20 +111,10 @@ class ScalarLoop:
             for c in self.cache:
                 c.trim(k - a)
             self.drafter.rollback([k - a], hidden=bonus_hidden(self.target, result.accepted))
-        if self.adaptive and not tree:
-            self.k_now = next_k(self.k_now, self.k, result)
         run = result.emitted[0]
         self.prev, self.pending = (run[-2] if len(run) > 1 else self.pending), run[-1]
         self._buffer.extend(zip(run, result.row_logprobs(0)))
         self.last_round = result
-
-    def _tree_at(self, k: int) -> bool:
-        """This round drafts a tree: a branching shape (cut to ``k`` levels), a drafter and
-        target that can, and coupled verification (rejection sampling stays on chains)."""
-        if self.tree is None or self.tree.cut(k).is_chain:
-            return False
-        coupled = self.verify == "coupled" or self._rows.all_greedy
-        return coupled and tree_capable(self.target, self.drafter)
 
     def _plain(self) -> None:
         logits = self.target.forward(mx.array([[self.pending]], dtype=mx.int32), self.cache)
@@ -148,7 +125,7 @@ class ScalarLoop:
     def close(self) -> Handoff:
         """Stop here (usually mid-round) and hand everything to the batch loop."""
         handoff = Handoff(self.request, [t for t, _ in self._buffer], self.pending, self.prev,
-                          self.request.emitted, self.cache, self.drafter, [lp for _, lp in self._buffer])
+                          self.request.emitted, self.cache, [lp for _, lp in self._buffer])
         self._buffer.clear()
         return handoff
 

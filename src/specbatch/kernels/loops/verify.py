@@ -113,20 +113,6 @@ def verify_rejection(target_logits, draft_logits, drafts, rows: RowSampling, sta
             mx.where(greedy[:, 0], exact_acc, accepted))
 
 
-def next_k(k_now: int, k_max: int, result: RoundResult) -> int:
-    """Adaptive draft length: +2 after a round that accepted every draft, -1 after one that
-    accepted under half (the schedule of Hugging Face's assisted generation). Where the
-    drafter keeps up, rounds grow to ``k_max``; where it does not (sampling at temperature,
-    greedy drafts against sampled rows), they shrink toward one cheap draft."""
-    total = result.drafted * len(result.accepted)
-    got = sum(result.accepted)
-    if got == total:
-        return min(k_max, k_now + 2)
-    if 2 * got < total:
-        return max(1, k_now - 1)
-    return k_now
-
-
 def read_round(tokens: mx.array, accepted: mx.array, drafted: int, lazy=None) -> RoundResult:
     """The one host sync of a round: emitted runs, accepted counts and (rows that asked)
     logprobs, computed for all ``k+1`` positions and cut to the emitted run here."""

@@ -48,9 +48,6 @@ class RelayDrafter:
     def cold_start(self, capture: Capture) -> None:
         self.inner.cold_start(capture)
 
-    def to_batch(self) -> None:
-        self.inner.to_batch()
-
     def nbytes(self) -> int:
         return self.inner.nbytes()
 
@@ -91,9 +88,6 @@ class EchoDrafter:
 
     def cold_start(self, capture: Capture) -> None:
         self._width = len(capture.histories)
-
-    def to_batch(self) -> None:
-        pass
 
     def nbytes(self) -> int:
         return 0

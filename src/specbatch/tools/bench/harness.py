@@ -158,7 +158,7 @@ class Context:
     def always(self, **more) -> dict:
         """Overrides for an engine that speculates with chains of ``k`` whatever the
         calibration says (no schedule, no temperature limit, no trees)."""
-        return {"max_spec_temperature": None, "draft_schedule": None, "num_draft_tokens": self.k,
+        return {"max_spec_temperature": None, "fixed_draft": True, "num_draft_tokens": self.k,
                 "tree_shape": None, "batch_tree": None, **more}
 
     def close(self) -> None:

@@ -162,7 +162,7 @@ def rearm_cost(target, drafter, width: int, history: int) -> float:
     from ...kernels.runner import ModelRunner
     from ...runtime.request import Request
     runner = ModelRunner(target.model)
-    loop = BatchLoop(runner, make_drafter(drafter, runner, batch=True), 4)
+    loop = BatchLoop(runner, make_drafter(drafter, runner, batch=True))
     for i in range(width):
         prompt = [(7 * i + j) % 500 + 3 for j in range(history)]
         sp = SamplingParams(max_tokens=64, ignore_eos=True, seed=i)
@@ -196,7 +196,7 @@ def suite_drafters(ctx) -> dict:
     prompts = code_prompts(ctx.target.tokenizer, 4)
     rows = []
     for name, drafter in drafters.items():
-        forced = attrs.evolve(ctx.config, speculative_width_cap=0, prompt_cache_bytes=0, draft_schedule=None,
+        forced = attrs.evolve(ctx.config, speculative_width_cap=0, prompt_cache_bytes=0, fixed_draft=True,
                               max_spec_temperature=None)  # each drafter speculating, calibrated or not
         engines = {w: Engine(ctx.target, drafter, forced)
                    for w in (1, 4)}

@@ -37,7 +37,7 @@ def tree_config(config, shape: TreeShape | None, k: int):
     depth = k if shape is None else shape.depth
     batch_tree = None if shape is None else BatchTree(shape, max_width=64)
     return attrs.evolve(config, speculation=True, speculative_width_cap=0, num_draft_tokens=depth,
-                        tree_shape=shape, batch_tree=batch_tree, adaptive_k=False, draft_schedule=None,
+                        tree_shape=shape, batch_tree=batch_tree, fixed_draft=True,
                         max_spec_temperature=None, prompt_cache_bytes=0)
 
 

@@ -1,0 +1,252 @@
+"""The speculation policy: each round's decision (plain, a chain of k, or a tree) for the
+batch as it is, from a cost model and each live row's acceptance by draft position.
+
+Vocabulary: a row's *acceptance* at position i is the chance the target accepts draft i
+given it accepted drafts 1..i-1 (conditional, per position); a chain of k then emits
+``1 + sum_i prod_{j<=i} a_j`` tokens per row and costs ``k`` drafter steps plus one target
+forward over ``rows x (k + 1)`` positions. The policy picks the candidate with the most
+expected emitted tokens per second; plain is one forward over ``rows x 1`` for one token a
+row. ``AcceptanceBook`` tracks acceptance online (an EWMA over recent rounds, starting
+from the calibration's prior); ``SpecPolicy.decide`` is pure: the same rows, the same
+decision. The draft length is decided here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+from .tree_shape import BatchTree, TreeShape
+
+SIBLING = 0.5  # a sibling candidate accepts at this fraction of the one before it (the model of a tree)
+MARGIN = 0.02  # speculation must beat plain by this much to be chosen (unmodelled overheads)
+PRIOR_ACCEPTANCE = 0.6  # per position, where no calibration says otherwise
+EWMA = 0.3  # weight of the latest round in a row's acceptance
+
+
+@attrs.frozen
+class CostModel:
+    """Seconds per round: a target forward over ``rows x positions`` tokens and a drafter
+    step over ``rows`` (``specbatch calibrate`` measures them; defaults: relative units)."""
+
+    target_fixed_s: float = 1.0
+    target_token_s: float = 0.02
+    draft_fixed_s: float = 0.1
+    draft_row_s: float = 0.01
+
+    def forward_s(self, rows: int, positions: int) -> float:
+        return self.target_fixed_s + self.target_token_s * rows * positions
+
+    def draft_s(self, rows: int) -> float:
+        return self.draft_fixed_s + self.draft_row_s * rows
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        return cls(**{f.name: float(data[f.name]) for f in attrs.fields(cls)})
+
+
+@attrs.frozen
+class Prior:
+    """What calibration knows before any round: the costs and the acceptance by position."""
+
+    cost: CostModel = attrs.field(factory=CostModel)
+    acceptance: tuple[float, ...] = attrs.field(default=(PRIOR_ACCEPTANCE,), converter=tuple)
+
+    def at(self, position: int) -> float:
+        """Acceptance at ``position`` (1-based); past the measured ones, the deepest measured."""
+        return self.acceptance[min(position, len(self.acceptance)) - 1]
+
+
+def to_prior(value) -> Prior:
+    """A ``Prior``, or its ``attrs.asdict`` form (a config sent over the wire)."""
+    if isinstance(value, dict):
+        return Prior(CostModel.from_json(value["cost"]), value["acceptance"])
+    return value
+
+
+@attrs.frozen
+class Decision:
+    """One round: ``k`` drafts a chain (0: plain), or ``tree`` (its depth is ``k``)."""
+
+    k: int = 0
+    tree: TreeShape | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.k < 1
+
+    def within(self, room: int) -> "Decision":
+        """Cut to ``room`` drafts (a row's budget left after the bonus token)."""
+        if room >= self.k:
+            return self
+        shape = None if self.tree is None else self.tree.cut(max(room, 1))
+        return Decision(max(room, 0), None if shape is None or shape.is_chain or room < 1 else shape)
+
+
+PLAIN = Decision()
+
+
+@attrs.frozen
+class RowState:
+    """A live row as the policy sees it: acceptance by position (1-based) and temperature."""
+
+    acceptance: tuple[float, ...] = attrs.field(converter=tuple)
+    temperature: float = 0.0
+
+    def at(self, position: int) -> float:
+        return self.acceptance[min(position, len(self.acceptance)) - 1] if self.acceptance else 0.0
+
+
+def chain_tokens(row: RowState, k: int) -> float:
+    """Expected emitted tokens of one row for a chain of ``k`` (the bonus token included)."""
+    total, reach = 1.0, 1.0
+    for i in range(1, k + 1):
+        reach *= row.at(i)
+        total += reach
+    return total
+
+
+def tree_tokens(row: RowState, shape: TreeShape) -> float:
+    """Expected emitted tokens of one row for ``shape``: at each depth, the chance that one of
+    its ``b`` candidates is accepted, each sibling at ``SIBLING`` times the one before."""
+    total, reach = 1.0, 1.0
+    for depth, b in enumerate(shape.branching, start=1):
+        a, miss = row.at(depth), 1.0
+        for c in range(b):
+            miss *= 1.0 - a * SIBLING ** c
+        reach *= 1.0 - miss
+        total += reach
+    return total
+
+
+def tree_seconds(cost: CostModel, rows: int, shape: TreeShape) -> float:
+    """One drafter step per depth over every node at that depth, one forward over all nodes."""
+    level, draft = 1, 0.0
+    for b in shape.branching:
+        level *= b
+        draft += cost.draft_s(rows * level)
+    return draft + cost.forward_s(rows, shape.nodes)  # nodes counts the root
+
+
+@attrs.frozen(kw_only=True)
+class SpecPolicy:
+    """Decides each round from the cost model and the rows' acceptance (pure).
+
+    ``max_k``: the longest chain considered. ``fixed``: every speculating round drafts
+    ``max_k`` (or ``tree``), whatever it costs (the A/B override). ``tree``: a lone row's
+    candidate tree (None: chains; ``tree_max_temperature``: hotter rows draft chains);
+    ``batch_tree``: the batch's, up to its width and temperature. ``cap``: the gate's key,
+    the widest batch that speculates (0: uncapped); ``max_temperature``: a row hotter than
+    this gates the batch. ``trees``: the verify mode scores trees (coupled)."""
+
+    prior: Prior = attrs.field(factory=Prior)
+    max_k: int = 4
+    speculation: bool = True
+    fixed: bool = False
+    cap: int = 0
+    max_temperature: float | None = None
+    tree: TreeShape | None = None
+    tree_max_temperature: float | None = None
+    batch_tree: BatchTree | None = None
+    trees: bool = True
+
+    # -- the gate ---------------------------------------------------------------------
+    def within_cap(self, width: int) -> bool:
+        """The cap is inclusive: width == cap still speculates; 0 means uncapped."""
+        return self.speculation and (self.cap == 0 or width <= self.cap)
+
+    def speculates(self, temperatures: Sequence[float]) -> bool:
+        """Rows at these temperatures decoding together may speculate (the gate's guard)."""
+        hot = self.max_temperature is not None and max(temperatures, default=0.0) > self.max_temperature
+        return bool(temperatures) and self.within_cap(len(temperatures)) and not hot
+
+    # -- the round --------------------------------------------------------------------
+    def decide(self, rows: Sequence[RowState]) -> Decision:
+        """The round with the most expected emitted tokens per second (plain unless
+        drafting beats it by ``MARGIN``)."""
+        if not self.speculates([r.temperature for r in rows]):
+            return PLAIN
+        tree = self._tree_for(rows)
+        if self.fixed:
+            return Decision(tree.depth, tree) if tree is not None else Decision(self.max_k)
+        best, best_rate = PLAIN, self.rate(rows, PLAIN) * (1.0 + MARGIN)
+        candidates = [Decision(k) for k in range(1, self.max_k + 1)]
+        if tree is not None:
+            candidates.append(Decision(tree.depth, tree))
+        for candidate in candidates:
+            rate = self.rate(rows, candidate)
+            if rate > best_rate:
+                best, best_rate = candidate, rate
+        return best
+
+    def rate(self, rows: Sequence[RowState], decision: Decision) -> float:
+        """Expected emitted tokens per second of ``rows`` under ``decision``."""
+        cost, width = self.prior.cost, len(rows)
+        if decision.plain:
+            return width / cost.forward_s(width, 1)
+        if decision.tree is not None:
+            tokens = sum(tree_tokens(r, decision.tree) for r in rows)
+            return tokens / tree_seconds(cost, width, decision.tree)
+        k = decision.k
+        tokens = sum(chain_tokens(r, k) for r in rows)
+        return tokens / (k * cost.draft_s(width) + cost.forward_s(width, k + 1))
+
+    def _tree_for(self, rows: Sequence[RowState]) -> TreeShape | None:
+        hottest = max(r.temperature for r in rows)
+        if not self.trees:
+            return None
+        if len(rows) == 1:
+            hot = self.tree_max_temperature is not None and hottest > self.tree_max_temperature
+            shape = None if hot or self.tree is None else self.tree.cut(self.max_k)
+        else:
+            t = self.batch_tree
+            fits = t is not None and len(rows) <= t.max_width
+            hot = fits and t.max_temperature is not None and hottest > t.max_temperature
+            shape = t.shape.cut(self.max_k) if fits and not hot else None
+        return None if shape is None or shape.is_chain else shape
+
+    def paying_width(self, widest: int = 64) -> int:
+        """The widest width at which speculation is expected to pay on the prior (0: none)."""
+        row = RowState(self.prior.acceptance)
+        paying = [w for w in range(1, widest + 1) if not attrs.evolve(self, cap=0).decide([row] * w).plain]
+        return max(paying, default=0)
+
+
+@attrs.define
+class AcceptanceBook:
+    """Each live row's acceptance by draft position: an EWMA over its recent rounds,
+    starting from the prior. Rows are keyed by request id and forgotten when they leave."""
+
+    prior: Prior = attrs.field(factory=Prior)
+    depth: int = 8
+    rates: dict = attrs.field(factory=dict)  # request id -> list of per-position rates
+
+    def row(self, request) -> RowState:
+        rates = self.rates.get(request.id)
+        if rates is None:
+            rates = [self.prior.at(i) for i in range(1, self.depth + 1)]
+        return RowState(rates, request.params.temperature)
+
+    def rows(self, requests) -> list[RowState]:
+        return [self.row(r) for r in requests]
+
+    def observe(self, requests, drafted: int, accepted: Sequence[int]) -> None:
+        """A verify round: each row accepted ``accepted[i]`` of ``drafted`` drafts. Positions
+        up to the accepted count saw an accept, the next one a reject, later ones nothing."""
+        for request, got in zip(requests, accepted):
+            rates = list(self.row(request).acceptance)
+            for position in range(1, min(drafted, self.depth) + 1):
+                if position > got + 1:
+                    break
+                seen = 1.0 if position <= got else 0.0
+                rates[position - 1] += EWMA * (seen - rates[position - 1])
+            self.rates[request.id] = rates
+
+    def keep(self, requests) -> None:
+        """Forget rows no longer live."""
+        live = {r.id for r in requests}
+        self.rates = {i: v for i, v in self.rates.items() if i in live}

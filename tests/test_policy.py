@@ -1,0 +1,120 @@
+"""The speculation policy, pure: decisions monotone in acceptance and cost, plain where
+drafting cannot pay, the gate's cap and overrides; the online acceptance book; the prior
+derived from a calibration without a cost table."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specbatch.runtime.calibration import SHIPPED, acceptance_by_position, derive_prior
+from specbatch.runtime.params import SamplingParams
+from specbatch.runtime.policy import PLAIN, AcceptanceBook, CostModel, Decision, Prior, RowState, SpecPolicy
+from specbatch.runtime.tree_shape import BatchTree, TreeShape
+
+rates = st.floats(0.0, 1.0)
+widths = st.integers(1, 32)
+costs = st.builds(CostModel, st.floats(0.01, 1.0), st.floats(0.0, 0.1), st.floats(0.0, 0.5), st.floats(0.0, 0.05))
+
+
+def policy(cost=CostModel(), **kw) -> SpecPolicy:
+    return SpecPolicy(prior=Prior(cost), max_k=6, **kw)
+
+
+@given(costs, widths, rates, rates)
+def test_decisions_are_monotone_in_acceptance(cost, width, a, b):
+    low, high = sorted((a, b))
+    p = policy(cost)
+    assert p.decide([RowState((low,) * 6)] * width).k <= p.decide([RowState((high,) * 6)] * width).k
+
+
+@given(costs, widths, rates, st.floats(0.0, 0.5), st.floats(0.0, 0.05))
+def test_decisions_never_draft_more_when_drafting_or_verifying_costs_more(cost, width, a, more_draft, more_token):
+    rows = [RowState((a,) * 6)] * width
+    dearer = CostModel(cost.target_fixed_s, cost.target_token_s + more_token, cost.draft_fixed_s + more_draft,
+                       cost.draft_row_s)
+    assert policy(dearer).decide(rows).k <= policy(cost).decide(rows).k
+
+
+@given(costs, widths)
+def test_plain_when_drafting_cannot_pay(cost, width):
+    assert policy(cost).decide([RowState((0.0,) * 6)] * width) == PLAIN  # nothing is ever accepted
+    free = CostModel(cost.target_fixed_s, 0.0, 0.0, 0.0)
+    assert policy(free).decide([RowState((1.0,) * 6)] * width).k == 6  # everything is, drafts are free
+
+
+@given(costs, st.lists(rates, min_size=1, max_size=8), widths)
+def test_the_decision_is_the_best_candidate_it_scores(cost, acceptance, width):
+    p, rows = policy(cost), [RowState(acceptance)] * width
+    decision = p.decide(rows)
+    best = max(p.rate(rows, Decision(k)) for k in range(1, 7))
+    assert (decision.plain and best <= 1.02 * p.rate(rows, PLAIN)) or p.rate(rows, decision) == best
+
+
+def test_the_gate_the_overrides_and_the_cap():
+    rows = [RowState((0.9,) * 6)] * 3
+    assert policy(cap=2).decide(rows) == PLAIN and policy(cap=3).decide(rows).k >= 1  # the cap is inclusive
+    assert policy(cap=0).within_cap(1000) and not policy(speculation=False).within_cap(1)
+    assert policy(max_temperature=0.5).decide([RowState((0.9,), 0.7)]) == PLAIN
+    assert not policy(max_temperature=0.5).speculates([0.0, 0.7]) and policy().speculates([0.0, 0.7])
+    assert policy(fixed=True).decide([RowState((0.0,))]) == Decision(6)  # the A/B override drafts regardless
+    tree = TreeShape([2, 1, 1])
+    assert policy(fixed=True, tree=tree).decide([RowState((0.5,))]) == Decision(3, tree)
+    assert policy(fixed=True, tree=tree, trees=False).decide([RowState((0.5,))]) == Decision(6)
+    batch = BatchTree("2,1", max_width=2, max_temperature=0.0)
+    assert policy(fixed=True, batch_tree=batch).decide([RowState((0.5,))] * 2).tree == TreeShape([2, 1])
+    assert policy(fixed=True, batch_tree=batch).decide([RowState((0.5,))] * 3).tree is None  # past its width
+    assert policy(fixed=True, batch_tree=batch).decide([RowState((0.5,), 0.7)] * 2).tree is None  # too hot
+
+
+def test_a_tree_is_chosen_only_where_it_scores_more_than_every_chain():
+    cheap = CostModel(1.0, 0.0, 0.0, 0.0)  # extra positions free: the widest tree wins
+    tree = TreeShape([3, 2])
+    assert policy(cheap, tree=tree).decide([RowState((0.5,))]) == Decision(2, tree)
+    dear = CostModel(1.0, 1.0, 0.0, 0.0)  # each position costs a forward: neither pays
+    assert policy(dear, tree=tree).decide([RowState((0.5,))]) == PLAIN
+
+
+def test_decision_within_the_room_left():
+    tree = TreeShape([2, 2, 1])
+    assert Decision(3, tree).within(2) == Decision(2, TreeShape([2, 2]))
+    assert Decision(3, TreeShape([1, 1, 2])).within(2) == Decision(2)  # a chain left: a chain
+    assert Decision(4).within(0) == PLAIN and Decision(2).within(5) == Decision(2)
+
+
+class Req:
+    def __init__(self, rid, temperature=0.0):
+        self.id, self.params = rid, SamplingParams(temperature=temperature)
+
+
+def test_the_book_tracks_each_rows_acceptance_by_position_from_the_prior():
+    book = AcceptanceBook(Prior(acceptance=(0.5, 0.4)), depth=3)
+    a, b = Req("a"), Req("b", 0.7)
+    assert book.row(a) == RowState((0.5, 0.4, 0.4), 0.0)
+    book.observe([a, b], drafted=3, accepted=[3, 0])
+    ra, rb = book.row(a).acceptance, book.row(b).acceptance
+    assert all(x > y for x, y in zip(ra, (0.5, 0.4, 0.4)))  # every position accepted: all rise
+    assert rb[0] < 0.5 and rb[1:] == (0.4, 0.4)  # rejected at 1: later positions saw nothing
+    book.keep([b])
+    assert book.row(a) == RowState((0.5, 0.4, 0.4), 0.0) and book.row(b).temperature == 0.7
+
+
+def test_acceptance_by_position_from_a_histogram():
+    assert acceptance_by_position({0: 2, 1: 2, 2: 4}, 2) == [0.75, round(4 / 6, 4)]
+    assert acceptance_by_position({}, 3) == []
+
+
+def test_the_shipped_calibration_derives_a_conservative_prior():
+    """No cost table: the mtp pair speculates alone (its chain of one beat plain there) and
+    decodes plain at 16 rows (plain won from 8); the separate drafter never pays."""
+    table = json.loads(SHIPPED.read_text())
+    pairs = next(iter(table.values()))
+    base = pairs["SmolLM2-135M-Instruct.Q4_1.gguf+none"]
+    mtp = SpecPolicy(prior=derive_prior(pairs["SmolLM2-135M-Instruct.Q4_1.gguf+mtp"], base), max_k=4)
+    row = RowState(mtp.prior.acceptance)
+    assert mtp.decide([row]) == Decision(1) and mtp.decide([row] * 16) == PLAIN
+    assert 1 <= mtp.paying_width() < 8
+    model = SpecPolicy(prior=derive_prior(pairs["SmolLM2-135M-Instruct.Q4_1.gguf+drafter"], base), max_k=4)
+    assert model.paying_width() == 0
