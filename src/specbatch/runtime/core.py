@@ -163,6 +163,8 @@ class EngineCore:
             raise InvalidRequest(
                 f"prompt has {len(ids)} tokens; {limit} is {self.context_length} tokens, so no "
                 "token could be generated", "prompt", "context_length_exceeded")
+        if any(token >= self.target.vocab_size for token, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.target.vocab_size})", "logit_bias")
         params = params.with_seed()
         if params.max_tokens > room:  # a prompt may fill the context up to the limit
             params = attrs.evolve(params, max_tokens=room)

@@ -84,7 +84,7 @@ class BatchLoop:
             have = single[0].offset if single and single[0].keys is not None else 0
             logits = prefill(self.target, request.prompt[have:], single)  # [1, V]
             hidden = last_hidden(self.target)
-        rows = RowSampling.of([request.params])
+        rows = RowSampling.of([request.params], [request.tokens])
         [[first]], [lps] = sample_read(logits[:, None, :], rows, positions_from([0], 1))
         out = RoundOutput()
         if not out.emit(request, first, lps and lps[0]):
@@ -97,7 +97,7 @@ class BatchLoop:
         assert self.settled, "admit only between settled rounds"
         logits, kv = prefill_batch(self.target, [r.prompt for r in requests])  # [B, V]
         hidden = last_hidden(self.target)  # [B, D] or None
-        rows = RowSampling.of([r.params for r in requests])
+        rows = RowSampling.of([r.params for r in requests], [r.tokens for r in requests])
         toks, lps = sample_read(logits[:, None, :], rows, positions_from([0] * len(requests), 1))
         firsts = [t[0] for t in toks]
         out = RoundOutput()
@@ -192,7 +192,7 @@ class BatchLoop:
         calibrated for this width, no row hotter than its limit, coupled verification, and
         a pair that drafts a tree per row."""
         t = self.tree
-        if t is None or not 2 <= self.width <= t.max_width or self.verify != "coupled":
+        if t is None or not 2 <= self.width <= t.max_width or self.verify != "coupled" or self._rows_sampling().penalized:
             return None
         if t.max_temperature is not None and max(r.request.params.temperature for r in self.rows) > t.max_temperature:
             return None
@@ -229,7 +229,7 @@ class BatchLoop:
     # -- plain rounds -----------------------------------------------------------------
     def _rows_sampling(self) -> RowSampling:
         if self._sampling is None:
-            self._sampling = RowSampling.of([r.request.params for r in self.rows])
+            self._sampling = RowSampling.of([r.request.params for r in self.rows], [r.request.tokens for r in self.rows])
         return self._sampling
 
     def _dispatch(self, tokens: mx.array, ahead: int) -> tuple:
@@ -238,7 +238,7 @@ class BatchLoop:
         logits = self.target.forward(tokens[:, None], self.kv.layers)  # [B, 1, V]
         positions = positions_from([r.request.emitted + ahead for r in self.rows], 1)
         rows = self._rows_sampling()
-        sampled = sample(logits, rows, positions)  # [B, 1]
+        sampled = sample(logits, rows, positions, tokens[:, None] if ahead else None)  # [B, 1]
         return sampled, gather(logits, sampled, rows.logprobs)
 
     def plain_round(self, successor: bool = True) -> RoundOutput:

@@ -53,7 +53,7 @@ class ScalarLoop:
         self.adaptive, self.k_now = adaptive, k  # k_now: this round's draft length
         self.cache = target.make_cache()
         self._buffer: collections.deque[tuple] = collections.deque()  # (token, TokenLogprob | None)
-        self._rows = RowSampling.of([request.params])
+        self._rows = RowSampling.of([request.params], [request.tokens])
         self.pending = self.prev = -1
         self.last_round: RoundResult | None = None  # this step's verify round, if one ran
 
@@ -134,7 +134,7 @@ class ScalarLoop:
     def _tree_at(self, k: int) -> bool:
         """This round drafts a tree: a branching shape (cut to ``k`` levels), a drafter and
         target that can, and coupled verification (rejection sampling stays on chains)."""
-        if self.tree is None or self.tree.cut(k).is_chain:
+        if self.tree is None or self.tree.cut(k).is_chain or self._rows.penalized:  # trees: no penalties
             return False
         coupled = self.verify == "coupled" or self._rows.all_greedy
         return coupled and tree_capable(self.target, self.drafter)
