@@ -97,9 +97,10 @@ class Engine:
     def encode(self, prompt: str | Iterable[int]) -> list[int]:
         return self.core.encode(prompt)
 
-    def prepare(self, prompt, params=None) -> Request:
-        """Validate and build a request without queueing it (raises on bad input)."""
-        return self.core.prepare(prompt, params, in_transit=self._in_flight_to_queue)
+    def prepare(self, prompt, params=None, pending: int = 0) -> Request:
+        """Validate and build a request without queueing it (raises on bad input);
+        ``pending``: requests the caller prepared and will queue with it (``n``)."""
+        return self.core.prepare(prompt, params, in_transit=self._in_flight_to_queue + pending)
 
     def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> RequestHandle:
         """Queue a request and return its handle at once."""

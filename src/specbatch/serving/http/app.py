@@ -64,7 +64,8 @@ class API:
                            "model", "model_not_found")
         try:
             first = self.engine.prepare(parsed.prompt, parsed.params)  # gives it a seed if it had none
-            reqs = [first] + [self.engine.prepare(first.prompt, p) for p in siblings(first.params, parsed.n)[1:]]
+            reqs = [first] + [self.engine.prepare(first.prompt, p, pending=i + 1)  # n counts n against the queue
+                              for i, p in enumerate(siblings(first.params, parsed.n)[1:])]
         except InvalidRequest as exc:
             raise APIError(400, exc.message, exc.param, exc.code or "invalid_value") from None
         except (ValueError, TypeError) as exc:
@@ -75,6 +76,12 @@ class API:
             raise APIError(503, str(exc), None, "shutting_down", "server_error", {"Retry-After": "5"}) from None
         self.check_room(parsed, first)
         return reqs
+
+    def echo_text(self, parsed: Parsed) -> str:
+        if not parsed.echo:
+            return ""
+        prompt = parsed.prompt
+        return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     def check_room(self, parsed: Parsed, req) -> None:
         """An explicit budget past the context is a 400 stating the room, as vLLM answers (the
@@ -99,7 +106,7 @@ class API:
         wants = parsed.params.logprobs is not None
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, self.name, int(time.time()),
                       self.fingerprint, parsed.include_usage,
-                      LogprobFormat(self.engine.tokenizer, chat) if wants else None)
+                      LogprobFormat(self.engine.tokenizer, chat) if wants else None, self.echo_text(parsed))
         streams = self.engine.stream_requests(reqs)  # one arrival: prefilled and decoded together
         events = merge(streams)
 
@@ -146,6 +153,14 @@ class API:
         return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model",
                                                          "created": self.created, "owned_by": "specbatch"}]})
 
+    async def model(self, request: Request):
+        name = request.path_params["model"]
+        if name not in self.names:
+            raise_404 = APIError(404, f"The model {name!r} does not exist; this server serves {self.name!r}",
+                                 "model", "model_not_found")
+            return error_response(raise_404)
+        return JSONResponse({"id": name, "object": "model", "created": self.created, "owned_by": "specbatch"})
+
     async def health(self, request: Request):
         return JSONResponse({"status": "ok", "state": self.engine.stats()["state"]})
 
@@ -179,7 +194,8 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     api = API(engine, model_name or engine.target.name.rstrip("/").split("/")[-1], max_body)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-              Route("/v1/models", api.models), Route("/health", api.health), Route("/metrics", api.metrics)]
+              Route("/v1/models", api.models), Route("/v1/models/{model:path}", api.model),
+              Route("/health", api.health), Route("/metrics", api.metrics)]
     app = Starlette(routes=routes, middleware=[Middleware(Guard, api_key=api_key, max_body=max_body)],
                     exception_handlers={404: api.not_found, 405: api.not_found, Exception: api.server_error})
     app.state.drain = api.drain

@@ -31,6 +31,7 @@ class Reply:
     fingerprint: str
     include_usage: bool = False
     logprobs: LogprobFormat | None = None  # None: the request did not ask
+    echo: str = ""  # completions with ``echo``: the prompt's text, before each choice's
 
     def envelope(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -56,7 +57,7 @@ class Reply:
                         "logprobs": self.format(entries), "finish_reason": finish}
                        for i, (text, finish, entries) in enumerate(outcomes)]
             return self.envelope("chat.completion", choices, usage=usage)
-        choices = [{"index": i, "text": text, "logprobs": self.format(entries), "finish_reason": finish}
+        choices = [{"index": i, "text": self.echo + text, "logprobs": self.format(entries), "finish_reason": finish}
                    for i, (text, finish, entries) in enumerate(outcomes)]
         return self.envelope("text_completion", choices, usage=usage)
 
@@ -83,6 +84,8 @@ async def sse(events, reply: Reply, handles: list) -> AsyncIterator[str]:
             first = reply.chunk("", None, i)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             yield data(first)
+    for i in range(len(handles) if reply.echo else 0):
+        yield data(reply.chunk(reply.echo, None, i))
     offsets = Offsets(len(handles))
     async for i, event in events:
         if event.finish_reason == "error":
