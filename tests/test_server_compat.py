@@ -107,3 +107,35 @@ def test_n_counts_n_against_the_queue(served):
     r = post(served, "completions", {"prompt": "a", "max_tokens": 2, "n": 5})  # max_queue is 4
     assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
     assert post(served, "completions", {"prompt": "a", "max_tokens": 2, "n": 4}).status_code == 200
+
+
+def _stop_at_a_token_of(served, body) -> str:
+    """A stop string the greedy completion of ``body`` reaches: the text of its third token."""
+    r = post(served, "completions", body | {"logprobs": 0}).json()["choices"][0]
+    return r["logprobs"]["tokens"][2]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_text_and_usage_agree_after_a_stop_string(served, stream):
+    body = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    stop = _stop_at_a_token_of(served, body)
+    args = {k: v for k, v in body.items() if k != "ignore_eos"}
+    got = served.client.completions.create(model="tiny", **args, extra_body={"ignore_eos": True}, logprobs=0, stop=[stop], stream=stream,
+                                           **({"stream_options": {"include_usage": True}} if stream else {}))
+    chunks = list(got) if stream else [got]
+    tokens = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.tokens]
+    text = "".join(ch.text for c in chunks for ch in c.choices)
+    usage = chunks[-1].usage
+    assert "".join(tokens) == text and stop not in text
+    assert usage.completion_tokens == len(tokens)
+
+
+def test_chat_logprobs_leave_out_the_end_of_turn_token(served):
+    eos = served.engine.tokenizer.eos_token_ids
+    token = sorted(eos)[0]
+    r = served.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=8, temperature=0, logprobs=True,
+                                              logit_bias={str(token): 100})  # it ends at once
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == ""
+    assert choice.logprobs.content == [] and r.usage.completion_tokens == 0

@@ -126,14 +126,16 @@ class API:
         if parsed.stream:
             return EventStream(sse(events, reply, handles), watch, close, headers)
         listener = asyncio.ensure_future(watch.listen(request.receive))
+        offsets = Offsets(len(reqs))
         try:
-            outcome = await until_done_or_stopped(_collect(events, len(reqs)), watch)
+            outcome = await until_done_or_stopped(_collect(events, offsets), watch)
         finally:
             listener.cancel()
             await close()
-        return self.whole(reply, handles, outcome, watch.reason, headers)
+        return self.whole(reply, handles, outcome, watch.reason, headers, offsets.dropped)
 
-    def whole(self, reply: Reply, handles: list, outcome, stopped: str | None, headers: dict) -> Response:
+    def whole(self, reply: Reply, handles: list, outcome, stopped: str | None, headers: dict,
+              dropped: list[int]) -> Response:
         if outcome is None:  # cut by the drain, or nobody is left to read it
             return error_response(SHUTTING_DOWN) if stopped == "shutdown" else Response(status_code=499)
         failed = [error for _, finish, error, _ in outcome if finish == "error"]
@@ -141,7 +143,7 @@ class API:
             return error_response(APIError(500, failed[0] or "generation failed", None, "generation_failed",
                                            "server_error"))
         choices = [(text, "stop" if finish == "cancelled" else finish, entries) for text, finish, _, entries in outcome]
-        return JSONResponse(reply.whole(choices, usage_of(handles)), headers=headers)
+        return JSONResponse(reply.whole(choices, usage_of(handles, dropped)), headers=headers)
 
     async def completions(self, request: Request):
         return await self.generate(request, chat=False)
@@ -177,10 +179,11 @@ class API:
         return error_response(APIError(500, "internal server error", None, "internal_error", "server_error"))
 
 
-async def _collect(events, n: int) -> list[tuple[str, str | None, str | None, list]]:
+async def _collect(events, offsets: Offsets) -> list[tuple[str, str | None, str | None, list]]:
     """(text, finish_reason, error, logprob entries) per completion, from the merged
     (index, event) stream; entries are (TokenLogprob, text offset), empty when not asked."""
-    texts, ends, entries, offsets = [[] for _ in range(n)], [(None, None)] * n, [[] for _ in range(n)], Offsets(n)
+    n = len(offsets.at)
+    texts, ends, entries = [[] for _ in range(n)], [(None, None)] * n, [[] for _ in range(n)]
     async for i, event in events:
         entries[i] += offsets.entry(i, event)
         texts[i].append(event.text)

@@ -62,10 +62,12 @@ class Reply:
         return self.envelope("text_completion", choices, usage=usage)
 
 
-def usage_of(handles) -> dict:
-    """One prompt's tokens (the n completions share it) and every completion's tokens."""
+def usage_of(handles, dropped: list[int] | None = None) -> dict:
+    """One prompt's tokens (the n completions share it) and every completion's tokens, less
+    the ``dropped`` ones that produced no text before a stop (see ``Offsets``)."""
     done = [h.result(0) for h in handles]  # complete before their last events were pushed: never blocks
-    prompt, completion = done[0].usage.prompt_tokens, sum(d.usage.completion_tokens for d in done)
+    prompt = done[0].usage.prompt_tokens
+    completion = sum(d.usage.completion_tokens for d in done) - sum(dropped or ())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -94,12 +96,13 @@ async def sse(events, reply: Reply, handles: list) -> AsyncIterator[str]:
             break
         if event.finish_reason == "cancelled":
             break
-        entries = offsets.entry(i, event) if reply.logprobs is not None else []
+        entries = offsets.entry(i, event)
+        entries = entries if reply.logprobs is not None else []
         if event.text or event.finish_reason or entries:  # a token with no text yet still has its logprob
             yield data(reply.chunk(event.text, event.finish_reason, i, entries))
     if reply.include_usage:
         kind = "chat.completion.chunk" if reply.chat else "text_completion"
-        yield data(reply.envelope(kind, [], usage=usage_of(handles)))
+        yield data(reply.envelope(kind, [], usage=usage_of(handles, offsets.dropped)))
     yield DONE
 
 
