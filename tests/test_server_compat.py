@@ -139,3 +139,21 @@ def test_chat_logprobs_leave_out_the_end_of_turn_token(served):
     choice = r.choices[0]
     assert choice.finish_reason == "stop" and choice.message.content == ""
     assert choice.logprobs.content == [] and r.usage.completion_tokens == 0
+
+
+def test_a_stalled_body_is_closed_after_the_body_timeout(model_dir):
+    import json
+    import socket
+
+    from server_helpers import read_response
+
+    from specbatch.kernels.models import load
+    s = Served(Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)), body_timeout=0.2)
+    try:
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\":")  # 11 of 100 bytes, then nothing
+        status, body = read_response(sock)  # returns only because the server closes it
+        assert status == 408 and json.loads(body)["error"]["code"] == "body_timeout"
+    finally:
+        s.close()

@@ -14,7 +14,7 @@ import attrs
 import structlog
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -42,8 +42,8 @@ def fingerprint(engine) -> str:
 class API:
     """The endpoints over one engine; handlers submit and await, never block it."""
 
-    def __init__(self, engine, name: str, max_body: int):
-        self.engine, self.name, self.max_body = engine, name, max_body
+    def __init__(self, engine, name: str, max_body: int, body_timeout: float = 60.0):
+        self.engine, self.name, self.max_body, self.body_timeout = engine, name, max_body, body_timeout
         path = str(engine.target.name)
         self.names = {name, path, path.rstrip("/")}  # the served name and the model's path
         self.created = int(time.time())  # the model's "created" in /v1/models: when it was loaded
@@ -51,7 +51,15 @@ class API:
         self.drain = Drain()
 
     async def read_json(self, request: Request):
-        raw = await request.body()
+        try:
+            raw = await asyncio.wait_for(request.body(), self.body_timeout)
+        except asyncio.TimeoutError:
+            log.info("body_read_timeout", path=request.url.path, timeout_s=self.body_timeout)
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s", None,
+                           "body_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            log.info("client_disconnected", path=request.url.path, during="body")
+            raise APIError(499, "the client left before its body arrived", None, "client_disconnected") from None
         if len(raw) > self.max_body:
             raise APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
         return load_json(raw)
@@ -192,9 +200,9 @@ async def _collect(events, offsets: Offsets) -> list[tuple[str, str | None, str 
 
 
 def create_app(engine, model_name: str | None = None, api_key: str | None = None,
-               max_body: int = 1 << 20) -> Starlette:
+               max_body: int = 1 << 20, body_timeout: float = 60.0) -> Starlette:
     """The app; ``app.state.drain`` is its live requests (``serve`` drains them on SIGTERM)."""
-    api = API(engine, model_name or engine.target.name.rstrip("/").split("/")[-1], max_body)
+    api = API(engine, model_name or engine.target.name.rstrip("/").split("/")[-1], max_body, body_timeout)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models), Route("/v1/models/{model:path}", api.model),
