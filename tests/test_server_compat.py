@@ -157,3 +157,27 @@ def test_a_stalled_body_is_closed_after_the_body_timeout(model_dir):
         assert status == 408 and json.loads(body)["error"]["code"] == "body_timeout"
     finally:
         s.close()
+
+
+def test_health_and_metrics_show_the_waiting_prompt_tokens(model_dir):
+    import json
+
+    from server_helpers import Gate, raw_request, read_response, until
+
+    from specbatch.kernels.models import load
+    engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_batch=1))
+    gate, s = Gate(engine), Served(engine)
+    try:
+        body = {"prompt": list(range(1, 41)), "max_tokens": 20, "ignore_eos": True}
+        running = raw_request(s.port, "POST", "/v1/completions", json.dumps(body).encode())
+        gate.run_to(1)
+        waiting = raw_request(s.port, "POST", "/v1/completions", json.dumps(body).encode())
+        until(lambda: engine.stats()["queue_depth"] == 1)
+        health = httpx.get(f"{s.url}/health", timeout=30).json()
+        assert health["queue_depth"] == 1 and health["queued_prompt_tokens"] == 40
+        assert "specbatch_queued_prompt_tokens 40" in httpx.get(f"{s.url}/metrics", timeout=30).text
+        gate.open()
+        assert read_response(running)[0] == 200 and read_response(waiting)[0] == 200
+    finally:
+        gate.open()
+        s.close()

@@ -274,10 +274,13 @@ class EngineCore:
     def fingerprint(self) -> str:
         return fingerprint(self.scheduler, self.runner.waiting)
 
-    def stats(self, queued: int = 0) -> dict:
-        """Counters and the last step's gauges; ``queued``: requests a driver still holds."""
-        depth = len(self.runner.waiting) + len(self._arrivals) + queued
-        return self.counters.snapshot(self.gauges, queue_depth=depth)
+    def stats(self, queued: int = 0, queued_tokens: int = 0) -> dict:
+        """Counters and the last step's gauges; ``queued``: requests a driver still holds
+        (``queued_tokens``: their prompt tokens)."""
+        waiting = list(self.runner.waiting) + list(self._arrivals)  # copies: read from any thread
+        depth = len(waiting) + queued
+        return self.counters.snapshot(self.gauges, queue_depth=depth,
+                                      queued_prompt_tokens=queued_tokens + sum(len(r.prompt) for r in waiting))
 
     def __enter__(self) -> "EngineCore":
         return self

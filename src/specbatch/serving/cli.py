@@ -234,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     from .. import logs
     from ..blas import active_blas
     logs.configure(getattr(args, "log_format", "console"), "info" if getattr(args, "verbose", False) else None)
+    from ..openblas import limit_threads
+    threads = limit_threads()  # the BLAS never runs more threads than this process's cores
     if getattr(args, "verbose", False):
-        print(f"specbatch: BLAS = {active_blas()}", file=sys.stderr)
+        print(f"specbatch: BLAS = {active_blas()} ({threads} threads)", file=sys.stderr)
     try:
         return args.func(args)
     except (ValueError, TypeError) as exc:

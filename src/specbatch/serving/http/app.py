@@ -172,7 +172,9 @@ class API:
         return JSONResponse({"id": name, "object": "model", "created": self.created, "owned_by": "specbatch"})
 
     async def health(self, request: Request):
-        return JSONResponse({"status": "ok", "state": self.engine.stats()["state"]})
+        stats = self.engine.stats()
+        keys = ("state", "width", "queue_depth", "queued_prompt_tokens", "prefilling", "prefill_tokens")
+        return JSONResponse({"status": "ok", **{k: stats.get(k, 0) for k in keys}})
 
     async def metrics(self, request: Request):
         return PlainTextResponse(render_metrics(self.engine.stats()), media_type="text/plain; version=0.0.4")
