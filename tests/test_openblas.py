@@ -87,3 +87,16 @@ def test_mlx_imported_first_is_warned_once(model_dir):
             f"load({str(model_dir['llama'])!r}); load({str(model_dir['llama'])!r})")
     err = _plain_python(code, {}).stderr
     assert err.count("slow_blas") == 1 and "import specbatch before mlx" in err
+
+
+def test_limit_threads_caps_the_loaded_openblas_at_the_cores():
+    import mlx.core as mx
+
+    from specbatch.openblas import cores, limit_threads
+    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))  # the BLAS is loaded by now
+    got = limit_threads(10_000)
+    if got is None:
+        pytest.skip("no OpenBLAS in this process")
+    assert got == cores()
+    assert limit_threads(1) == 1
+    limit_threads()

@@ -220,3 +220,34 @@ def active_blas() -> str:
     if sys.platform == "darwin":
         return "accelerate (Metal build)"
     return "bundled (reference BLAS; slow)" if wanted() or _has_dist("mlx-cpu") else "native"
+
+
+def cores() -> int:
+    """The CPUs this process may run on (its affinity, not the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def limit_threads(n: int | None = None) -> int | None:
+    """Cap the loaded OpenBLAS at ``n`` threads (default: ``OPENBLAS_NUM_THREADS`` if set,
+    else the cores this process may use), so it never oversubscribes them; returns the
+    count now in force, None where no OpenBLAS is loaded."""
+    if n is None:
+        env = os.environ.get("OPENBLAS_NUM_THREADS", "")
+        n = int(env) if env.isdigit() and int(env) > 0 else cores()
+    n = max(1, min(n, cores()))
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.openblas_set_num_threads(ctypes.c_int(n))
+            return int(lib.openblas_get_num_threads())
+        except (OSError, AttributeError):
+            continue
+    return None

@@ -5,12 +5,19 @@ The randomness of output position ``p`` of a request is a pure function of
 The target's token at ``p`` is ``argmax(filter(logits_p) / T + g[p])`` (``T = 0``:
 plain argmax). Every loop samples the target this way, so the emitted stream is the
 target's own sampled stream whatever was drafted, by which loop, at which width.
+
+``logit_bias`` and the presence / frequency penalties (OpenAI's) change the logits first,
+the same way at every position: ``l + bias - f * c - p * (c > 0)`` where ``c`` counts the
+tokens the request generated before that position. A verify block's position ``j``
+counts the row's emitted tokens plus the first ``j`` drafts (the ones it follows), so a
+speculative stream still equals plain decoding.
 """
 
 from __future__ import annotations
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from ..runtime.params import SamplingParams
 
@@ -52,11 +59,23 @@ class RowSampling:
     top_p: list[float]
     top_k: list[int]
     logprobs: list[int | None] = attrs.field(factory=list)  # per row; None: not asked
+    bias: list[tuple] = attrs.field(factory=list)  # per row: (token id, bias) pairs
+    presence: list[float] = attrs.field(factory=list)
+    frequency: list[float] = attrs.field(factory=list)
+    # per row: its emitted tokens, the request's own live list (read when a block is
+    # sampled, so a RowSampling cached across rounds stays current)
+    history: list[list[int]] = attrs.field(factory=list)
 
     @classmethod
-    def of(cls, params: list[SamplingParams]) -> "RowSampling":
+    def of(cls, params: list[SamplingParams], history: list[list[int]] | None = None) -> "RowSampling":
         return cls([p.seed for p in params], [p.temperature for p in params],
-                   [p.top_p for p in params], [p.top_k for p in params], [p.logprobs for p in params])
+                   [p.top_p for p in params], [p.top_k for p in params], [p.logprobs for p in params],
+                   [p.logit_bias for p in params], [p.presence_penalty for p in params],
+                   [p.frequency_penalty for p in params], history or [[] for _ in params])
+
+    @property
+    def penalized(self) -> bool:
+        return any(self.presence) or any(self.frequency)
 
     @property
     def all_greedy(self) -> bool:
@@ -67,12 +86,51 @@ class RowSampling:
         return any(p < 1.0 for p in self.top_p) or any(k > 0 for k in self.top_k)
 
 
-def perturbed(logits: mx.array, rows: RowSampling, positions: mx.array) -> mx.array:
-    """Scores whose argmax is the sampled token: filter(logits)/T + g[p]; [B, N, V].
+def _counts(rows: RowSampling, drafted: mx.array | None, n: int, vocab: int) -> mx.array:
+    """Tokens generated before each of a block's ``n`` positions, per id: ``[B, n, V]``.
+    ``drafted [B, D]``: tokens past each row's history, the block's last position after
+    all of them (a verify block: position j follows the first j drafts)."""
+    host = np.zeros((len(rows.history), vocab), dtype=np.float32)
+    for b, tokens in enumerate(rows.history):
+        if tokens:
+            host[b] = np.bincount(np.asarray(tokens), minlength=vocab)[:vocab]
+    counts = mx.array(host)[:, None, :]  # [B, 1, V]
+    if drafted is None or drafted.shape[1] == 0:
+        return counts
+    d = drafted.shape[1]
+    onehot = (drafted[..., None] == mx.arange(vocab)).astype(mx.float32)  # [B, D, V]
+    run = mx.concatenate([mx.zeros_like(onehot[:, :1]), mx.cumsum(onehot, axis=1)], axis=1)  # [B, D+1, V]
+    seen = mx.array([min(max(j + d - n + 1, 0), d) for j in range(n)])  # drafts before position j
+    return counts + run[:, seen]
 
-    Greedy rows return the raw logits (argmax of them is the greedy token).
+
+def adjusted(logits: mx.array, rows: RowSampling, drafted: mx.array | None = None) -> mx.array:
+    """``logits [B, N, V]`` with each row's logit bias and penalties (a no-op without any)."""
+    if not rows.penalized and not any(rows.bias):
+        return logits
+    B, N, V = logits.shape
+    if any(rows.bias):
+        host = np.zeros((B, V), dtype=np.float32)
+        for b, pairs in enumerate(rows.bias):
+            for token, value in pairs:
+                if token < V:
+                    host[b, token] = value
+        logits = logits + mx.array(host)[:, None, :]
+    if rows.penalized:
+        counts = _counts(rows, drafted, N, V)  # [B, N, V]
+        freq = mx.array(rows.frequency, dtype=mx.float32)[:, None, None]
+        pres = mx.array(rows.presence, dtype=mx.float32)[:, None, None]
+        logits = logits - freq * counts - pres * (counts > 0).astype(mx.float32)
+    return logits
+
+
+def perturbed(logits: mx.array, rows: RowSampling, positions: mx.array,
+              drafted: mx.array | None = None) -> mx.array:
+    """Scores whose argmax is the sampled token: filter(adjusted logits)/T + g[p]; [B, N, V].
+
+    Greedy rows return the adjusted logits (argmax of them is the greedy token).
     """
-    logits = logits.astype(mx.float32)
+    logits = adjusted(logits.astype(mx.float32), rows, drafted)
     if rows.all_greedy:
         return logits
     if rows.filtered:
@@ -83,9 +141,11 @@ def perturbed(logits: mx.array, rows: RowSampling, positions: mx.array) -> mx.ar
     return mx.where(temp > 0, scored, logits)
 
 
-def sample(logits: mx.array, rows: RowSampling, positions: mx.array) -> mx.array:
-    """Tokens ``[B, N]`` at output positions ``[B, N]``: a pure function of (logits, seed, p)."""
-    return mx.argmax(perturbed(logits, rows, positions), axis=-1).astype(mx.int32)
+def sample(logits: mx.array, rows: RowSampling, positions: mx.array,
+           drafted: mx.array | None = None) -> mx.array:
+    """Tokens ``[B, N]`` at output positions ``[B, N]``: a pure function of (logits, seed, p)
+    (and, with penalties, of the tokens before p: ``drafted``, see ``_counts``)."""
+    return mx.argmax(perturbed(logits, rows, positions, drafted), axis=-1).astype(mx.int32)
 
 
 def positions_from(starts: list[int], width: int) -> mx.array:

@@ -163,6 +163,8 @@ class EngineCore:
             raise InvalidRequest(
                 f"prompt has {len(ids)} tokens; {limit} is {self.context_length} tokens, so no "
                 "token could be generated", "prompt", "context_length_exceeded")
+        if any(token >= self.target.vocab_size for token, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.target.vocab_size})", "logit_bias")
         params = params.with_seed()
         if params.max_tokens > room:  # a prompt may fill the context up to the limit
             params = attrs.evolve(params, max_tokens=room)
@@ -272,10 +274,13 @@ class EngineCore:
     def fingerprint(self) -> str:
         return fingerprint(self.scheduler, self.runner.waiting)
 
-    def stats(self, queued: int = 0) -> dict:
-        """Counters and the last step's gauges; ``queued``: requests a driver still holds."""
-        depth = len(self.runner.waiting) + len(self._arrivals) + queued
-        return self.counters.snapshot(self.gauges, queue_depth=depth)
+    def stats(self, queued: int = 0, queued_tokens: int = 0) -> dict:
+        """Counters and the last step's gauges; ``queued``: requests a driver still holds
+        (``queued_tokens``: their prompt tokens)."""
+        waiting = list(self.runner.waiting) + list(self._arrivals)  # copies: read from any thread
+        depth = len(waiting) + queued
+        return self.counters.snapshot(self.gauges, queue_depth=depth,
+                                      queued_prompt_tokens=queued_tokens + sum(len(r.prompt) for r in waiting))
 
     def __enter__(self) -> "EngineCore":
         return self

@@ -56,6 +56,7 @@ class Engine:
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._on_failure: list = []
         self._in_flight_to_queue = 0  # submitted, not yet moved to the waiting list
+        self._in_flight_tokens = 0  # their prompt tokens
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="specbatch-engine", daemon=True)
         self._thread.start()
@@ -97,9 +98,10 @@ class Engine:
     def encode(self, prompt: str | Iterable[int]) -> list[int]:
         return self.core.encode(prompt)
 
-    def prepare(self, prompt, params=None) -> Request:
-        """Validate and build a request without queueing it (raises on bad input)."""
-        return self.core.prepare(prompt, params, in_transit=self._in_flight_to_queue)
+    def prepare(self, prompt, params=None, pending: int = 0) -> Request:
+        """Validate and build a request without queueing it (raises on bad input);
+        ``pending``: requests the caller prepared and will queue with it (``n``)."""
+        return self.core.prepare(prompt, params, in_transit=self._in_flight_to_queue + pending)
 
     def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> RequestHandle:
         """Queue a request and return its handle at once."""
@@ -118,6 +120,7 @@ class Engine:
             raise EngineClosed(f"engine stopped: {self.failure}")
         with self._lock:
             self._in_flight_to_queue += len(requests)
+            self._in_flight_tokens += sum(len(r.prompt) for r in requests)
         self.core.counters.submitted += len(requests)
         self._inbox.put(list(requests))
 
@@ -158,7 +161,7 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters and gauges; safe from any thread (gauges are the last step's)."""
-        return self.core.stats(queued=self._in_flight_to_queue)
+        return self.core.stats(queued=self._in_flight_to_queue, queued_tokens=self._in_flight_tokens)
 
     def close(self, drain: bool = False, timeout: float | None = 60.0) -> None:
         """Stop admitting; finish (``drain``) or cancel in-flight work; join the thread."""
@@ -183,6 +186,7 @@ class Engine:
                     arrivals.extend(item)
                     with self._lock:
                         self._in_flight_to_queue -= len(item)
+                        self._in_flight_tokens -= sum(len(r.prompt) for r in item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass

@@ -10,6 +10,8 @@ import attrs
 
 INT32_MAX = (1 << 31) - 1
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+BIAS_RANGE, PENALTY_RANGE = 100.0, 2.0  # |logit_bias| <= 100, |presence / frequency penalty| <= 2
 
 
 def _non_negative(inst, attr, value):
@@ -69,6 +71,29 @@ def _stops(value) -> tuple[str, ...]:
     return out
 
 
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` (ids as ints or decimal strings, as JSON keys) -> sorted pairs."""
+    pairs = value.items() if isinstance(value, dict) else (value or ())
+    out = []
+    for token, bias in pairs:
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise TypeError(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -BIAS_RANGE <= bias <= BIAS_RANGE:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
+        out.append((token, float(bias)))
+    if len(out) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias holds {len(out)} entries; at most {MAX_LOGIT_BIAS}")
+    return tuple(sorted(dict(out).items()))
+
+
+def _penalty(inst, attr, value):
+    _number(inst, attr, value)
+    if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+        raise ValueError(f"{attr.name} must be in [-2, 2], got {value}")
+
+
 def _stop_ids(value) -> tuple[int, ...]:
     out = tuple(value or ())
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in out):
@@ -92,6 +117,12 @@ class SamplingParams:
     # the target's raw logits (log_softmax before temperature / top-p / top-k, as vLLM's
     # default "raw" mode) at that position; see logprobs.py.
     logprobs: int | None = attrs.field(default=None, validator=_logprobs)
+    # OpenAI's logits processors, applied to the target's logits before temperature and
+    # top-p at every position (kernels/sampling.py): a bias per token id, and penalties on
+    # the tokens this request generated before that position (counts; presence: once).
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    presence_penalty: float = attrs.field(default=0.0, validator=_penalty)
+    frequency_penalty: float = attrs.field(default=0.0, validator=_penalty)
 
     def with_seed(self) -> "SamplingParams":
         """A copy with a concrete seed: unseeded requests get one recorded on them."""
@@ -102,6 +133,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Its logits depend on the tokens before each position (not only on the model's)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @attrs.frozen

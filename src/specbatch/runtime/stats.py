@@ -72,7 +72,7 @@ class EngineStats:
             request.spec.accepted += accepted
             request.spec.rounds += 1
 
-    def snapshot(self, gauges: dict, queue_depth: int) -> dict:
+    def snapshot(self, gauges: dict, queue_depth: int, **live) -> dict:
         rows = sum(self.acceptance_histogram.values())
         return {
             "requests_submitted": self.submitted,
@@ -92,5 +92,6 @@ class EngineStats:
             "queue_depth": queue_depth,
             "ttft_seconds": self.ttft.snapshot(),
             "itl_seconds": self.itl.snapshot(),
+            **live,
             **gauges,
         }

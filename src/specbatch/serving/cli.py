@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=256)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or SPECBATCH_API_KEY)")
     sv.add_argument("--max-body", type=int, default=1 << 20, help="request body limit, bytes")
+    sv.add_argument("--body-timeout", type=float, default=60.0,
+                    help="seconds a request body may take to arrive (then 408, connection closed)")
+    sv.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                    help="seconds an idle connection (no request headers yet) stays open")
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--kv-budget-mb", type=int, default=0, help="target KV budget; admission waits past it (0: none)")
     sv.add_argument("--prompt-cache-mb", type=int, default=256, help="prompt (prefix) cache bound")
@@ -230,11 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     from .. import logs
     from ..blas import active_blas
     logs.configure(getattr(args, "log_format", "console"), "info" if getattr(args, "verbose", False) else None)
+    from ..openblas import limit_threads
+    threads = limit_threads()  # the BLAS never runs more threads than this process's cores
     if getattr(args, "verbose", False):
         from ..kernels import cpu
         state = cpu.status()
         kernels = f"specbatch ({state.isa})" if state.active else f"MLX ops ({state.why})"
-        print(f"specbatch: BLAS = {active_blas()}; CPU kernels = {kernels}", file=sys.stderr)
+        print(f"specbatch: BLAS = {active_blas()} ({threads} threads); CPU kernels = {kernels}", file=sys.stderr)
     try:
         return args.func(args)
     except (ValueError, TypeError) as exc:

@@ -81,7 +81,7 @@ class BatchLoop:
             have = single[0].offset if single and single[0].keys is not None else 0
             logits = prefill(self.target, request.prompt[have:], single)  # [1, V]
             hidden = last_hidden(self.target)
-        rows = RowSampling.of([request.params])
+        rows = RowSampling.of([request.params], [request.tokens])
         [[first]], [lps] = sample_read(logits[:, None, :], rows, positions_from([0], 1))
         out = RoundOutput()
         if not out.emit(request, first, lps and lps[0]):
@@ -94,7 +94,7 @@ class BatchLoop:
         assert self.settled, "admit only between settled rounds"
         logits, kv = prefill_batch(self.target, [r.prompt for r in requests])  # [B, V]
         hidden = last_hidden(self.target)  # [B, D] or None
-        rows = RowSampling.of([r.params for r in requests])
+        rows = RowSampling.of([r.params for r in requests], [r.tokens for r in requests])
         toks, lps = sample_read(logits[:, None, :], rows, positions_from([0] * len(requests), 1))
         firsts = [t[0] for t in toks]
         out = RoundOutput()
@@ -158,7 +158,9 @@ class BatchLoop:
             return self.plain_round(successor=False)
         pending, prev, starts = [r.pending for r in self.rows], [r.prev for r in self.rows], \
             [r.request.emitted for r in self.rows]
-        shape = decision.tree if tree_capable(self.target, self.drafter, self.width) else None
+        # a tree's node paths are not counted by penalties: a batch with a penalized row drafts chains
+        treeable = tree_capable(self.target, self.drafter, self.width) and not self._rows_sampling().penalized
+        shape = decision.tree if treeable else None
         if shape is not None:  # the tree round compacts the KV and commits the drafter itself
             result = tree_round(self.target, self.kv, self.drafter, pending, prev, self._rows_sampling(), starts,
                                 shape, coupled=False)
@@ -196,7 +198,7 @@ class BatchLoop:
 
     def _rows_sampling(self) -> RowSampling:
         if self._sampling is None:
-            self._sampling = RowSampling.of([r.request.params for r in self.rows])
+            self._sampling = RowSampling.of([r.request.params for r in self.rows], [r.request.tokens for r in self.rows])
         return self._sampling
 
     def _dispatch(self, tokens: mx.array, ahead: int) -> tuple:
@@ -205,7 +207,7 @@ class BatchLoop:
         logits = self.target.forward(tokens[:, None], self.kv.layers)  # [B, 1, V]
         positions = positions_from([r.request.emitted + ahead for r in self.rows], 1)
         rows = self._rows_sampling()
-        sampled = sample(logits, rows, positions)  # [B, 1]
+        sampled = sample(logits, rows, positions, tokens[:, None] if ahead else None)  # [B, 1]
         return sampled, gather(logits, sampled, rows.logprobs)
 
     def plain_round(self, successor: bool = True) -> RoundOutput:

@@ -49,7 +49,7 @@ class ScalarLoop:
         self.target, self.drafter, self.request, self.verify = target, drafter, request, verify
         self.cache = target.make_cache()
         self._buffer: collections.deque[tuple] = collections.deque()  # (token, TokenLogprob | None)
-        self._rows = RowSampling.of([request.params])
+        self._rows = RowSampling.of([request.params], [request.tokens])
         self.pending = self.prev = -1
         self.last_round: RoundResult | None = None  # this step's verify round, if one ran
 
@@ -101,7 +101,8 @@ class ScalarLoop:
             self._plain()
             return
         k = decision.k
-        if decision.tree is not None and tree_capable(self.target, self.drafter):
+        # a tree's node paths are not counted by penalties: penalized rows draft chains
+        if decision.tree is not None and not self._rows.penalized and tree_capable(self.target, self.drafter):
             result = tree_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
                                 [self.request.emitted], decision.tree)
         else:

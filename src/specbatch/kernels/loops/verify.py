@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ...runtime.params import TokenLogprob
 from ..logprobs import gather, read
-from ..sampling import RowSampling, filter_logits, position_noise, positions_from, sample
+from ..sampling import RowSampling, adjusted, filter_logits, position_noise, positions_from, sample
 
 # Other key streams of a seed for rejection mode, so they never reuse the target's noise.
 DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 0x5EED0001, 0x5EED0002, 0x5EED0003
@@ -71,13 +71,14 @@ def _accept_exact(drafts: mx.array, target: mx.array) -> mx.array:
 def verify_coupled(target_logits, drafts, rows: RowSampling, starts: list[int]):
     """Target tokens [B, k+1] and accepted [B] (lazy) under exact-match verification."""
     k1 = target_logits.shape[1]
-    tokens = sample(target_logits, rows, positions_from(starts, k1))
+    tokens = sample(target_logits, rows, positions_from(starts, k1), drafts)
     return tokens, _accept_exact(drafts, tokens)
 
 
-def _probs(logits, rows: RowSampling):
-    """Sampling distribution per position after filters and temperature: [B, N, V]."""
-    logits = logits.astype(mx.float32)
+def _probs(logits, rows: RowSampling, drafted=None):
+    """Sampling distribution per position after bias, penalties, filters and temperature:
+    [B, N, V] (drafts were chosen with their row's history alone: ``drafted`` None)."""
+    logits = adjusted(logits.astype(mx.float32), rows, drafted)
     if rows.filtered:
         logits = filter_logits(logits, mx.array(rows.top_p), mx.array(rows.top_k))
     temp = mx.maximum(mx.array(rows.temperature, dtype=mx.float32), 1e-6)[:, None, None]
@@ -88,7 +89,7 @@ def verify_rejection(target_logits, draft_logits, drafts, rows: RowSampling, sta
     """Leviathan verification; rows at temperature 0 reduce to exact match."""
     B, k1, V = target_logits.shape
     k = k1 - 1
-    p = _probs(target_logits, rows)  # [B, k+1, V]
+    p = _probs(target_logits, rows, drafts)  # [B, k+1, V]
     q = _probs(draft_logits, rows)  # [B, k, V]
     pd = mx.take_along_axis(p[:, :k], drafts[..., None], -1)[..., 0]  # [B, k]
     qd = mx.take_along_axis(q, drafts[..., None], -1)[..., 0]

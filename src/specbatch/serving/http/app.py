@@ -14,7 +14,7 @@ import attrs
 import structlog
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -42,8 +42,8 @@ def fingerprint(engine) -> str:
 class API:
     """The endpoints over one engine; handlers submit and await, never block it."""
 
-    def __init__(self, engine, name: str, max_body: int):
-        self.engine, self.name, self.max_body = engine, name, max_body
+    def __init__(self, engine, name: str, max_body: int, body_timeout: float = 60.0):
+        self.engine, self.name, self.max_body, self.body_timeout = engine, name, max_body, body_timeout
         path = str(engine.target.name)
         self.names = {name, path, path.rstrip("/")}  # the served name and the model's path
         self.created = int(time.time())  # the model's "created" in /v1/models: when it was loaded
@@ -51,7 +51,15 @@ class API:
         self.drain = Drain()
 
     async def read_json(self, request: Request):
-        raw = await request.body()
+        try:
+            raw = await asyncio.wait_for(request.body(), self.body_timeout)
+        except asyncio.TimeoutError:
+            log.info("body_read_timeout", path=request.url.path, timeout_s=self.body_timeout)
+            raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s", None,
+                           "body_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            log.info("client_disconnected", path=request.url.path, during="body")
+            raise APIError(499, "the client left before its body arrived", None, "client_disconnected") from None
         if len(raw) > self.max_body:
             raise APIError(413, f"request body over {self.max_body} bytes", None, "body_too_large")
         return load_json(raw)
@@ -64,7 +72,8 @@ class API:
                            "model", "model_not_found")
         try:
             first = self.engine.prepare(parsed.prompt, parsed.params)  # gives it a seed if it had none
-            reqs = [first] + [self.engine.prepare(first.prompt, p) for p in siblings(first.params, parsed.n)[1:]]
+            reqs = [first] + [self.engine.prepare(first.prompt, p, pending=i + 1)  # n counts n against the queue
+                              for i, p in enumerate(siblings(first.params, parsed.n)[1:])]
         except InvalidRequest as exc:
             raise APIError(400, exc.message, exc.param, exc.code or "invalid_value") from None
         except (ValueError, TypeError) as exc:
@@ -75,6 +84,12 @@ class API:
             raise APIError(503, str(exc), None, "shutting_down", "server_error", {"Retry-After": "5"}) from None
         self.check_room(parsed, first)
         return reqs
+
+    def echo_text(self, parsed: Parsed) -> str:
+        if not parsed.echo:
+            return ""
+        prompt = parsed.prompt
+        return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     def check_room(self, parsed: Parsed, req) -> None:
         """An explicit budget past the context is a 400 stating the room, as vLLM answers (the
@@ -99,7 +114,7 @@ class API:
         wants = parsed.params.logprobs is not None
         reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, self.name, int(time.time()),
                       self.fingerprint, parsed.include_usage,
-                      LogprobFormat(self.engine.tokenizer, chat) if wants else None)
+                      LogprobFormat(self.engine.tokenizer, chat) if wants else None, self.echo_text(parsed))
         streams = self.engine.stream_requests(reqs)  # one arrival: prefilled and decoded together
         events = merge(streams)
 
@@ -119,14 +134,16 @@ class API:
         if parsed.stream:
             return EventStream(sse(events, reply, handles), watch, close, headers)
         listener = asyncio.ensure_future(watch.listen(request.receive))
+        offsets = Offsets(len(reqs))
         try:
-            outcome = await until_done_or_stopped(_collect(events, len(reqs)), watch)
+            outcome = await until_done_or_stopped(_collect(events, offsets), watch)
         finally:
             listener.cancel()
             await close()
-        return self.whole(reply, handles, outcome, watch.reason, headers)
+        return self.whole(reply, handles, outcome, watch.reason, headers, offsets.dropped)
 
-    def whole(self, reply: Reply, handles: list, outcome, stopped: str | None, headers: dict) -> Response:
+    def whole(self, reply: Reply, handles: list, outcome, stopped: str | None, headers: dict,
+              dropped: list[int]) -> Response:
         if outcome is None:  # cut by the drain, or nobody is left to read it
             return error_response(SHUTTING_DOWN) if stopped == "shutdown" else Response(status_code=499)
         failed = [error for _, finish, error, _ in outcome if finish == "error"]
@@ -134,7 +151,7 @@ class API:
             return error_response(APIError(500, failed[0] or "generation failed", None, "generation_failed",
                                            "server_error"))
         choices = [(text, "stop" if finish == "cancelled" else finish, entries) for text, finish, _, entries in outcome]
-        return JSONResponse(reply.whole(choices, usage_of(handles)), headers=headers)
+        return JSONResponse(reply.whole(choices, usage_of(handles, dropped)), headers=headers)
 
     async def completions(self, request: Request):
         return await self.generate(request, chat=False)
@@ -146,8 +163,18 @@ class API:
         return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model",
                                                          "created": self.created, "owned_by": "specbatch"}]})
 
+    async def model(self, request: Request):
+        name = request.path_params["model"]
+        if name not in self.names:
+            raise_404 = APIError(404, f"The model {name!r} does not exist; this server serves {self.name!r}",
+                                 "model", "model_not_found")
+            return error_response(raise_404)
+        return JSONResponse({"id": name, "object": "model", "created": self.created, "owned_by": "specbatch"})
+
     async def health(self, request: Request):
-        return JSONResponse({"status": "ok", "state": self.engine.stats()["state"]})
+        stats = self.engine.stats()
+        keys = ("state", "width", "queue_depth", "queued_prompt_tokens", "prefilling", "prefill_tokens")
+        return JSONResponse({"status": "ok", **{k: stats.get(k, 0) for k in keys}})
 
     async def metrics(self, request: Request):
         return PlainTextResponse(render_metrics(self.engine.stats()), media_type="text/plain; version=0.0.4")
@@ -162,10 +189,11 @@ class API:
         return error_response(APIError(500, "internal server error", None, "internal_error", "server_error"))
 
 
-async def _collect(events, n: int) -> list[tuple[str, str | None, str | None, list]]:
+async def _collect(events, offsets: Offsets) -> list[tuple[str, str | None, str | None, list]]:
     """(text, finish_reason, error, logprob entries) per completion, from the merged
     (index, event) stream; entries are (TokenLogprob, text offset), empty when not asked."""
-    texts, ends, entries, offsets = [[] for _ in range(n)], [(None, None)] * n, [[] for _ in range(n)], Offsets(n)
+    n = len(offsets.at)
+    texts, ends, entries = [[] for _ in range(n)], [(None, None)] * n, [[] for _ in range(n)]
     async for i, event in events:
         entries[i] += offsets.entry(i, event)
         texts[i].append(event.text)
@@ -174,12 +202,13 @@ async def _collect(events, n: int) -> list[tuple[str, str | None, str | None, li
 
 
 def create_app(engine, model_name: str | None = None, api_key: str | None = None,
-               max_body: int = 1 << 20) -> Starlette:
+               max_body: int = 1 << 20, body_timeout: float = 60.0) -> Starlette:
     """The app; ``app.state.drain`` is its live requests (``serve`` drains them on SIGTERM)."""
-    api = API(engine, model_name or engine.target.name.rstrip("/").split("/")[-1], max_body)
+    api = API(engine, model_name or engine.target.name.rstrip("/").split("/")[-1], max_body, body_timeout)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-              Route("/v1/models", api.models), Route("/health", api.health), Route("/metrics", api.metrics)]
+              Route("/v1/models", api.models), Route("/v1/models/{model:path}", api.model),
+              Route("/health", api.health), Route("/metrics", api.metrics)]
     app = Starlette(routes=routes, middleware=[Middleware(Guard, api_key=api_key, max_body=max_body)],
                     exception_handlers={404: api.not_found, 405: api.not_found, Exception: api.server_error})
     app.state.drain = api.drain

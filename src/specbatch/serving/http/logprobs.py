@@ -86,13 +86,32 @@ def _lp(value: float) -> float:
 
 
 class Offsets:
-    """Running text offsets per choice: each token's offset is the text before it."""
+    """Running text offsets per choice: each token's offset is the text before it.
+
+    A token's logprob goes out with the first event that carries text at or after it, so
+    a token whose text is held back (a possible stop string, partial UTF-8) waits. When a
+    choice ends with ``stop`` the tokens still waiting produced no text: the end-of-turn
+    token, a stop token, the tokens a stop string removed. As OpenAI does, they are left
+    out of ``logprobs`` and of ``usage.completion_tokens`` (``dropped``), so the joined
+    logprob tokens are the text (but for a token a stop string cut in the middle)."""
 
     def __init__(self, n: int):
         self.at = [0] * n
+        self.held: list[list] = [[] for _ in range(n)]
+        self.dropped = [0] * n
 
     def entry(self, index: int, event) -> list:
-        """``[(logprob, offset)]`` for this event (empty without one); advances the offset."""
-        out = [(event.logprob, self.at[index])] if event.logprob is not None else []
+        """``[(logprob, offset)]`` this event releases (None logprobs skipped); advances."""
+        held = self.held[index]
+        if event.token is not None:
+            held.append((event.logprob, self.at[index]))
+        if not event.text and event.finish_reason == "stop":
+            self.dropped[index] += len(held)
+            held.clear()
+            return []
+        if not event.text and not event.finish_reason:
+            return []
         self.at[index] += len(event.text)
+        out = [(lp, offset) for lp, offset in held if lp is not None]
+        held.clear()
         return out

@@ -38,6 +38,8 @@ def render_metrics(stats: dict) -> str:
     out += [_line("specbatch_transitions_total", n, {"kind": k}) for k, n in sorted(stats["transitions"].items())]
     gauges = [("specbatch_live_width", "rows decoding now", stats["width"]),
               ("specbatch_queue_depth", "requests waiting for admission", stats["queue_depth"]),
+              ("specbatch_queued_prompt_tokens", "prompt tokens of the requests waiting",
+               stats.get("queued_prompt_tokens", 0)),
               ("specbatch_kv_bytes", "target KV bytes allocated", stats["kv_bytes"]),
               ("specbatch_kv_used_bytes", "target KV bytes the held tokens need", stats["kv_used_bytes"]),
               ("specbatch_drafter_kv_bytes", "drafter KV bytes allocated", stats["drafter_kv_bytes"]),

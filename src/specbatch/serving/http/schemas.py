@@ -40,6 +40,7 @@ class Parsed:
     model: str | None
     max_tokens_param: str | None  # the key the client set the budget with; None: the default
     n: int = 1  # completions of this prompt
+    echo: bool = False  # completions: the prompt's text before each completion's
 
 
 def load_json(raw: bytes):
@@ -100,11 +101,42 @@ def _float(body: dict, name: str, default: float, lo: float, hi: float = math.in
 
 
 def _max_tokens(body: dict) -> tuple[int, str | None]:
-    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins, as OpenAI's
-        value = _int(body, name, None, 1)
+    values = {name: _int(body, name, None, 1) for name in ("max_completion_tokens", "max_tokens")}  # both checked
+    for name, value in values.items():  # the newer name wins, as OpenAI's
         if value is not None:
             return value, name
     return SamplingParams().max_tokens, None
+
+
+ROLES = ("system", "user", "assistant", "tool")
+MEDIA_PARTS = ("image_url", "input_audio", "image", "audio", "file", "input_image", "input_file")
+
+
+def _unsupported(body: dict, chat: bool) -> None:
+    """Fields the engine cannot honour: a 400 naming them, never a silent 200."""
+    def refuse(name: str, why: str):
+        raise APIError(400, f"'{name}' is not supported by this server: {why}", name, "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        refuse("response_format", "only {'type': 'text'} (no JSON mode or schemas)")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            refuse(name, "no tool or function calling")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            refuse(name, "no tool or function calling (only 'none')")
+    if body.get("stream_options") is not None and not body.get("stream"):
+        refuse("stream_options", "it is only allowed with 'stream': true")
+    if not chat and body.get("suffix") is not None:
+        refuse("suffix", "no insertion")
+    if not chat and body.get("best_of") not in (None, 1):
+        refuse("best_of", "use 'n'")
+    if not chat and body.get("echo") and body.get("logprobs") is not None:
+        refuse("echo", "no prompt logprobs with 'echo'")
+
+
+def _bias(body: dict) -> dict:
+    return _typed(body, "logit_bias", dict, {})  # keys and values: SamplingParams checks them
 
 
 def _sampling(body: dict, logprobs: int | None) -> tuple[SamplingParams, str | None]:
@@ -113,11 +145,15 @@ def _sampling(body: dict, logprobs: int | None) -> tuple[SamplingParams, str | N
     fields = dict(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0),
                   top_p=_float(body, "top_p", 1.0, 0.0, 1.0), top_k=max(top_k, 0),  # -1: vLLM's "off"
                   seed=_int(body, "seed", None), stop=_typed(body, "stop", (str, list), ()),
-                  ignore_eos=_typed(body, "ignore_eos", bool, False), logprobs=logprobs)
+                  ignore_eos=_typed(body, "ignore_eos", bool, False), logprobs=logprobs,
+                  logit_bias=_bias(body),
+                  presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+                  frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0))
     try:
         return SamplingParams(**fields), max_param
     except (TypeError, ValueError) as exc:
         param = next((f for f in fields if f in str(exc)), None)
+        param = "logit_bias" if "logit_bias" in str(exc) else param
         raise APIError(400, str(exc), max_param if param == "max_tokens" else param, "invalid_value") from None
 
 
@@ -139,11 +175,13 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top or 0) if want else None
 
 
-def _parsed(body: dict, prompt, logprobs: int | None) -> Parsed:
+def _parsed(body: dict, prompt, logprobs: int | None, chat: bool = True) -> Parsed:
+    _unsupported(body, chat)
     stream, include = _stream_options(body)
     params, max_param = _sampling(body, logprobs)
     n = _int(body, "n", 1, 1, MAX_N)
-    return Parsed(prompt, params, stream, include, _typed(body, "model", str), max_param, n)
+    echo = False if chat else _typed(body, "echo", bool, False)
+    return Parsed(prompt, params, stream, include, _typed(body, "model", str), max_param, n, echo)
 
 
 def parse_completion(body) -> Parsed:
@@ -159,7 +197,7 @@ def parse_completion(body) -> Parsed:
         raise APIError(400, "'prompt' must not be empty", "prompt", "invalid_value")
     if isinstance(prompt, str):
         _unicode(prompt, "prompt")
-    return _parsed(body, prompt, _int(body, "logprobs", None, 0, MAX_LOGPROBS))  # legacy: an integer N
+    return _parsed(body, prompt, _int(body, "logprobs", None, 0, MAX_LOGPROBS), chat=False)  # legacy: an integer N
 
 
 def parse_chat(body, tokenizer) -> Parsed:
@@ -168,12 +206,43 @@ def parse_chat(body, tokenizer) -> Parsed:
     messages = _typed(body, "messages", list, required=True)
     if not messages:
         raise APIError(400, "'messages' must not be empty", "messages", "invalid_value")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise APIError(400, "each message needs a string 'role' and a string 'content'", "messages", "invalid_type")
-        _unicode(m["role"] + m["content"], "messages")
+    messages = [_message(m, i) for i, m in enumerate(messages)]
     try:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:
         raise APIError(400, f"could not apply the chat template: {exc}", "messages", "invalid_value") from None
     return _parsed(body, prompt, _chat_logprobs(body))
+
+
+def _message(m, i: int) -> dict:
+    """One chat turn as the template reads it: a known role, and its content as text
+    (text parts joined; an assistant turn that only calls tools has empty content)."""
+    param = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise APIError(400, f"{param} needs a string 'role'", param, "invalid_type")
+    if m["role"] not in ROLES:
+        raise APIError(400, f"{param}.role must be one of {', '.join(ROLES)}, got {m['role']!r}",
+                       f"{param}.role", "invalid_value")
+    content = m.get("content")
+    if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+        content = ""
+    elif isinstance(content, list):
+        content = "".join(_text_part(part, f"{param}.content[{j}]") for j, part in enumerate(content))
+    elif not isinstance(content, str):
+        raise APIError(400, f"{param}.content must be a string or a list of text parts", f"{param}.content",
+                       "invalid_type")
+    _unicode(content, "messages")
+    out = {"role": m["role"], "content": content}
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        out["tool_calls"] = m["tool_calls"]
+    return out
+
+
+def _text_part(part, param: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in MEDIA_PARTS:
+        raise APIError(400, f"{param}: content parts of type {kind!r} are not supported (text only)",
+                       param, "unsupported_parameter")
+    raise APIError(400, f"{param} must be {{'type': 'text', 'text': str}}, got type {kind!r}", param, "invalid_type")

@@ -57,11 +57,13 @@ class GracefulServer(uvicorn.Server):
 
 def serve(args, engine) -> int:
     api_key = args.api_key or os.environ.get("SPECBATCH_API_KEY") or None
-    app = create_app(engine, args.served_model_name, api_key=api_key, max_body=args.max_body)
+    app = create_app(engine, args.served_model_name, api_key=api_key, max_body=args.max_body,
+                     body_timeout=getattr(args, "body_timeout", 60.0))
     grace = getattr(args, "shutdown_grace", DEFAULT_GRACE_S)
     # uvicorn's own timeout only bounds what is left after the drain (non-generation requests)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=int(CUT_WAIT_S))
+                            timeout_graceful_shutdown=int(CUT_WAIT_S),
+                            timeout_keep_alive=int(getattr(args, "keep_alive_timeout", 5)))
     server = GracefulServer(config, app.state.drain, grace)
     failures: list[str] = []
 

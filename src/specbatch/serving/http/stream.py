@@ -31,6 +31,7 @@ class Reply:
     fingerprint: str
     include_usage: bool = False
     logprobs: LogprobFormat | None = None  # None: the request did not ask
+    echo: str = ""  # completions with ``echo``: the prompt's text, before each choice's
 
     def envelope(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -56,15 +57,17 @@ class Reply:
                         "logprobs": self.format(entries), "finish_reason": finish}
                        for i, (text, finish, entries) in enumerate(outcomes)]
             return self.envelope("chat.completion", choices, usage=usage)
-        choices = [{"index": i, "text": text, "logprobs": self.format(entries), "finish_reason": finish}
+        choices = [{"index": i, "text": self.echo + text, "logprobs": self.format(entries), "finish_reason": finish}
                    for i, (text, finish, entries) in enumerate(outcomes)]
         return self.envelope("text_completion", choices, usage=usage)
 
 
-def usage_of(handles) -> dict:
-    """One prompt's tokens (the n completions share it) and every completion's tokens."""
+def usage_of(handles, dropped: list[int] | None = None) -> dict:
+    """One prompt's tokens (the n completions share it) and every completion's tokens, less
+    the ``dropped`` ones that produced no text before a stop (see ``Offsets``)."""
     done = [h.result(0) for h in handles]  # complete before their last events were pushed: never blocks
-    prompt, completion = done[0].usage.prompt_tokens, sum(d.usage.completion_tokens for d in done)
+    prompt = done[0].usage.prompt_tokens
+    completion = sum(d.usage.completion_tokens for d in done) - sum(dropped or ())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -83,6 +86,8 @@ async def sse(events, reply: Reply, handles: list) -> AsyncIterator[str]:
             first = reply.chunk("", None, i)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             yield data(first)
+    for i in range(len(handles) if reply.echo else 0):
+        yield data(reply.chunk(reply.echo, None, i))
     offsets = Offsets(len(handles))
     async for i, event in events:
         if event.finish_reason == "error":
@@ -91,12 +96,13 @@ async def sse(events, reply: Reply, handles: list) -> AsyncIterator[str]:
             break
         if event.finish_reason == "cancelled":
             break
-        entries = offsets.entry(i, event) if reply.logprobs is not None else []
+        entries = offsets.entry(i, event)
+        entries = entries if reply.logprobs is not None else []
         if event.text or event.finish_reason or entries:  # a token with no text yet still has its logprob
             yield data(reply.chunk(event.text, event.finish_reason, i, entries))
     if reply.include_usage:
         kind = "chat.completion.chunk" if reply.chat else "text_completion"
-        yield data(reply.envelope(kind, [], usage=usage_of(handles)))
+        yield data(reply.envelope(kind, [], usage=usage_of(handles, offsets.dropped)))
     yield DONE
 
 
