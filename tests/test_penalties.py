@@ -68,9 +68,9 @@ def test_rejection_verification_keeps_greedy_rows_exact(tiny, tiny_draft):
     assert run_scalar(tiny, tiny_draft, PROMPTS[0], k=3, verify="rejection", **kw)[0] == ref
 
 
-def test_adaptive_rounds_accept_drafts_under_penalties(tiny):
+def test_self_drafted_rounds_accept_drafts_under_penalties(tiny):
     kw = dict(max_tokens=24, ignore_eos=True, frequency_penalty=0.8)
-    tokens, rounds, _ = drive_scalar(tiny, tiny, PROMPTS[0], k=4, adaptive=True, **kw)
+    tokens, rounds, _ = drive_scalar(tiny, tiny, PROMPTS[0], k=4, **kw)
     assert tokens == run_plain(tiny, PROMPTS[0], **kw)
     assert sum(r.accepted[0] for r in rounds) > 0  # the verify block's counts did not reject everything
 
