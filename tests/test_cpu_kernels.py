@@ -184,3 +184,20 @@ def test_disabled_runs_mlx_ops_on_this_thread_only():
         ref = mx.fast.scaled_dot_product_attention(q, q, q, scale=0.5, mask="causal")
         assert mx.array_equal(cpu.attention(q, q, q, 0.5, "causal"), ref).item()
     assert not getattr(cpu._off, "on", False)
+
+
+@needs_kernels
+def test_the_avx2_kernels_pass_the_same_checks():
+    # on an AVX-512 CPU the AVX2 path runs only when asked: rerun this file's checks there
+    import os
+    import subprocess
+    import sys
+    if cpu.status().isa != "avx512":
+        pytest.skip("the AVX2 path is the one running here already")
+    env = {**os.environ, "SPECBATCH_CPU_ISA": "avx2"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+    probe = subprocess.run([sys.executable, "-c", "import specbatch; from specbatch.kernels import cpu; "
+                            "print(cpu.status().isa)"], env=env, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip() == "avx2", probe.stderr
