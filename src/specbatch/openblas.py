@@ -35,6 +35,7 @@ from pathlib import Path
 
 _MARK = "SPECBATCH_BLAS_REEXEC"
 _OPT_OUT = "SPECBATCH_NO_OPENBLAS"
+_CACHE_ENTRIES = 8
 
 # The child loads the library alone (no numpy, no MLX) and multiplies through cblas: a
 # kernel the CPU cannot execute kills it with SIGILL here, never in the caller.
@@ -147,9 +148,11 @@ def probe(lib: Path | None = None) -> dict:
     core, _, config = text.partition(" | ")
     why = "" if code == 0 else f"probe exited {code} ({'SIGILL: ' if code == -4 else ''}{err[0]})"
     verdict = {"ok": code == 0, "core": core.strip(), "config": config.strip(), "why": why}
+    # the newest few verdicts only: probes of other libraries (tests, upgrades) do not pile up
+    kept = dict(list({**known, key: verdict}.items())[-_CACHE_ENTRIES:])
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({**known, key: verdict}))
+        cache.write_text(json.dumps(kept))
     except OSError:
         pass
     return verdict

@@ -8,9 +8,9 @@ result is bitwise the same however many rows share the call.
 
 The extension (``_ext``, built at install by ``setup.py`` against the pinned MLX) is used
 on the CPU device only. Where it cannot run (not built, built for another MLX, a CPU
-without AVX2, ``SPECBATCH_CPU_KERNELS=0``) :func:`status` says why (``SPECBATCH_CPU_ISA=avx2``
-runs the AVX2 kernels on an AVX-512 CPU), one log line says so,
-and :func:`linear` is plain MLX.
+without AVX2, ``SPECBATCH_CPU_KERNELS=0``) :func:`status` says why, one log line says so,
+and :func:`linear` and :func:`attention` are plain MLX. ``SPECBATCH_CPU_ISA=avx2`` runs the
+AVX2 kernels on an AVX-512 CPU.
 
 ``attention`` does softmax(q k^T) v for decode, verify and prefill queries over a strided
 KV (no copy of the cache), with a vectorised exp, query blocks that read each key once,

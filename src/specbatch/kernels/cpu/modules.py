@@ -9,11 +9,11 @@ is running, so an mlx-lm model loaded beside ours (the benchmarks' baseline) is 
 
 from __future__ import annotations
 
-import mlx.core as mx
-import mlx.nn as nn
-
 import sys
 import threading
+
+import mlx.core as mx
+import mlx.nn as nn
 
 from . import attention, extension, linear
 
