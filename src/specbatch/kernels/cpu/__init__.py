@@ -12,6 +12,9 @@ without AVX2, ``SPECBATCH_CPU_KERNELS=0``) :func:`status` says why, one log line
 and :func:`linear` and :func:`attention` are plain MLX. ``SPECBATCH_CPU_ISA=avx2`` runs the
 AVX2 kernels on an AVX-512 CPU.
 
+``rms_norm`` and ``rope`` are one op each where MLX's CPU backend composes ~8 and ~20
+(sines and cosines recomputed per call and head).
+
 ``attention`` does softmax(q k^T) v for decode, verify and prefill queries over a strided
 KV (no copy of the cache), with a vectorised exp, query blocks that read each key once,
 and keys past a block's causal limit never read.
@@ -101,10 +104,14 @@ def rows_of(x: mx.array) -> int:
     return x.size // max(1, x.shape[-1])
 
 
+def _active():
+    return None if getattr(_off, "on", False) else extension()
+
+
 def linear(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ weight.T`` (``x`` [..., K], ``weight`` [N, K]): the small-M kernel where it
     applies, MLX's matmul (BLAS) for wide inputs, other dtypes and other devices."""
-    ext = None if getattr(_off, "on", False) else extension()
+    ext = _active()
     if (ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32
             or not 0 < rows_of(x) <= MAX_ROWS or weight.ndim != 2):
         return x @ weight.T
@@ -116,7 +123,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     [B, Hkv, T, D]; ``mask`` None, ``"causal"`` or a bool array [B or 1, 1, L, T]. The kernel
     where it applies, ``mx.fast.scaled_dot_product_attention`` otherwise (additive masks,
     other dtypes, other devices)."""
-    ext = None if getattr(_off, "on", False) else extension()
+    ext = _active()
     kind = "" if mask is None else mask if isinstance(mask, str) else "array"
     usable = (ext is not None and queries.dtype == keys.dtype == values.dtype == mx.float32
               and queries.ndim == 4 and queries.shape[-1] <= 256 and kind in ("", "causal", "array")
@@ -129,3 +136,30 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 
 _NO_MASK = mx.array(False)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """``mx.fast.rms_norm`` as one kernel op (float32 on the CPU), MLX's op otherwise."""
+    ext = _active()
+    if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or x.ndim < 1:
+        return mx.fast.rms_norm(x, weight, eps)
+    return ext.rms_norm(x, weight, eps)
+
+
+def rope_positions(offset) -> mx.array:
+    """An mlx-lm cache offset (an int, a scalar or a per-row ``[B]`` array) as the kernel's
+    int32 ``[1]`` / ``[B]`` positions of each row's first token."""
+    if isinstance(offset, int):
+        return mx.array([offset], dtype=mx.int32)
+    return offset.reshape(-1).astype(mx.int32)
+
+
+def rope(x: mx.array, positions: mx.array, inv_freq: mx.array, dims: int, traditional: bool,
+         scale: float = 1.0):
+    """Rotary embedding of ``x`` [B, H, L, D] at ``positions`` (int32 ``[1]``/``[B]``
+    offsets or ``[B, L]``), or None where the kernel does not apply (the caller runs
+    ``mx.fast.rope``)."""
+    ext = _active()
+    if ext is None or x.dtype != mx.float32 or x.ndim != 4:
+        return None
+    return ext.rope(x, positions, inv_freq, dims, traditional, scale)

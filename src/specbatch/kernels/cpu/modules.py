@@ -1,7 +1,8 @@
 """Swapping a loaded model's float32 linears (and a tied output head) for modules that
-call :func:`specbatch.kernels.cpu.linear`, and its attention layers for ones whose
-attention is :func:`specbatch.kernels.cpu.attention`; the parameters stay the same arrays,
-so checkpoints, dtype changes and the drafters' shared heads see no difference.
+call :func:`specbatch.kernels.cpu.linear`, its attention layers for ones whose attention is
+:func:`specbatch.kernels.cpu.attention`, and its RMSNorm and RoPE layers for ones that run
+one kernel op each; the parameters stay the same arrays, so checkpoints, dtype changes and
+the drafters' shared heads see no difference.
 
 mlx-lm's attention layers call their module's ``scaled_dot_product_attention``; that name is
 wrapped once per model module, and the wrapper takes the kernel only while a swapped layer
@@ -9,13 +10,16 @@ is running, so an mlx-lm model loaded beside ours (the benchmarks' baseline) is 
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
+
+import numpy as np
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import attention, extension, linear
+from . import attention, extension, linear, rms_norm, rope, rope_positions
 
 _inside = threading.local()  # set while a swapped attention layer runs on this thread
 
@@ -68,24 +72,66 @@ def _wrap_sdpa(module_name: str) -> bool:
 _fast_classes: dict[type, type] = {}
 
 
-def _fast_attention_class(cls: type) -> type:
-    """``cls`` with its call marked, so the wrapped attention takes the kernel inside it."""
+def _fast_class(cls: type, methods: dict) -> type:
+    """``cls`` with ``methods`` overridden (made once per class: instances keep every
+    attribute, only their class changes)."""
     if cls not in _fast_classes:
-        def __call__(self, *args, **kwargs):
-            _inside.on = True
-            try:
-                return cls.__call__(self, *args, **kwargs)
-            finally:
-                _inside.on = False
-        _fast_classes[cls] = type(f"Fast{cls.__name__}", (cls,), {"__call__": __call__})
+        _fast_classes[cls] = type(f"Fast{cls.__name__}", (cls,), methods)
     return _fast_classes[cls]
+
+
+def _attention_methods(cls: type) -> dict:
+    def __call__(self, *args, **kwargs):  # marks the call: the wrapped sdpa takes the kernel inside
+        _inside.on = True
+        try:
+            return cls.__call__(self, *args, **kwargs)
+        finally:
+            _inside.on = False
+    return {"__call__": __call__}
 
 
 def _swap_attention(module: nn.Module) -> bool:
     cls = type(module)
     if cls.__name__ != "Attention" or cls in _fast_classes.values() or not _wrap_sdpa(cls.__module__):
         return False
-    module.__class__ = _fast_attention_class(cls)
+    module.__class__ = _fast_class(cls, _attention_methods(cls))
+    return True
+
+
+def _rope_inv_freq(module: nn.Module) -> tuple[mx.array, float] | None:
+    """The inverse frequencies and position scale ``mx.fast.rope`` uses for this module
+    (computed as MLX computes them), or None for a RoPE variant the kernel does not cover."""
+    cls = type(module)
+    if cls is nn.RoPE and module.base is not None:
+        half = module.dims // 2
+        step = np.float32(np.log(np.float32(module.base))) / np.float32(half)
+        return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * float(step)), float(module.scale)
+    if cls.__name__ == "Llama3RoPE" and cls.__module__.startswith("mlx_lm."):
+        return mx.reciprocal(module._freqs.astype(mx.float32)), 1.0
+    return None
+
+
+def _rope_methods(cls: type) -> dict:
+    def __call__(self, x, offset=0):
+        out = rope(x, rope_positions(offset), self._sb_inv_freq, self.dims, self.traditional, self._sb_scale)
+        return cls.__call__(self, x, offset) if out is None else out
+
+    def rope_at(self, x, positions):
+        """``x`` [B, H, L, D] at explicit int32 positions [B, L]; None off the kernel."""
+        return rope(x, positions, self._sb_inv_freq, self.dims, self.traditional, self._sb_scale)
+    return {"__call__": __call__, "rope_at": rope_at}
+
+
+def _swap_norm_or_rope(module: nn.Module) -> bool:
+    cls = type(module)
+    if cls is nn.RMSNorm and module.weight.dtype == mx.float32:
+        module.__class__ = _fast_class(cls, {"__call__": lambda self, x: rms_norm(x, self.weight, self.eps)})
+        return True
+    freqs = _rope_inv_freq(module) if cls not in _fast_classes.values() else None
+    if freqs is None:
+        return False
+    module._sb_inv_freq, module._sb_scale = freqs  # underscored: not parameters
+    module.__class__ = _fast_class(cls, _rope_methods(cls))
     return True
 
 
@@ -104,7 +150,7 @@ def use_cpu_kernels(model: nn.Module) -> int:
         return 0
     swapped = 0
     for _, child in model.named_modules():
-        swapped += _swap_attention(child)
+        swapped += _swap_attention(child) or _swap_norm_or_rope(child)
     for _, child in model.named_modules():
         for name in list(child.children()):
             value = child[name]  # the module's own list, not a copy, so items swap in place

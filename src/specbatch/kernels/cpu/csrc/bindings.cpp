@@ -5,7 +5,9 @@
 #include "gemv.h"
 #include "linear.h"
 #include "mlx/version.h"
+#include "norm.h"
 #include "pool.h"
+#include "rope.h"
 
 namespace nb = nanobind;
 
@@ -16,6 +18,11 @@ NB_MODULE(_ext, m) {
   m.def("attention", &specbatch::attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
         nb::arg("mask_kind"), nb::arg("mask"),
         "softmax(q k^T * scale) v over a strided KV; mask_kind '', 'causal' or 'array' (bool mask)");
+  m.def("rms_norm", &specbatch::rms_norm, nb::arg("x"), nb::arg("w"), nb::arg("eps"),
+        "x * rsqrt(mean(x^2) + eps) * w per row (float32, CPU), one op");
+  m.def("rope", &specbatch::rope, nb::arg("x"), nb::arg("positions"), nb::arg("inv_freq"), nb::arg("dims"),
+        nb::arg("traditional"), nb::arg("scale"), nb::arg("inverse") = false,
+        "rotary embedding of x [B, H, L, D] at positions [1], [B] (offsets) or [B, L], one op");
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
   m.def("threads", [] { return specbatch::pool().size(); });
   // the MLX this was compiled against; the loader refuses to run beside another one

@@ -1,0 +1,78 @@
+#include "norm.h"
+
+#include <cmath>
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
+#include "mlx/ops.h"
+#include "mlx/transforms.h"
+#include "pool.h"
+
+namespace specbatch {
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32)
+    throw std::invalid_argument("rms_norm: float32 inputs only");
+  if (x.ndim() < 1 || w.ndim() != 1 || x.shape(-1) != w.shape(0))
+    throw std::invalid_argument("rms_norm: x [..., D] and w [D] expected");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(s, eps),
+                   {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
+}
+
+namespace {
+// One row: the sum of squares in 8 fixed lanes (a row's result never depends on its batch).
+void norm_row(const float* x, const float* w, float* y, int D, float eps) {
+  float lanes[8] = {};
+  int d = 0;
+  for (; d + 8 <= D; d += 8)
+    for (int i = 0; i < 8; ++i) lanes[i] += x[d + i] * x[d + i];
+  float ss = 0.0f;
+  for (int i = 0; i < 8; ++i) ss += lanes[i];
+  for (; d < D; ++d) ss += x[d] * x[d];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+  for (d = 0; d < D; ++d) y[d] = (x[d] * r) * w[d];
+}
+}  // namespace
+
+void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_output_array(out);
+  const int D = w.shape(0);
+  const int64_t rows = D == 0 ? 0 : static_cast<int64_t>(x.size() / D);
+  encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = out.data<float>(), rows, D, eps = eps_]() {
+    auto body = [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * D, wp, yp + r * D, D, eps);
+    };
+    if (rows * D < (1 << 16)) return body(0, rows);  // decode shapes: a pool wake costs more
+    auto& p = pool();
+    const int64_t per = (rows + p.size() - 1) / p.size();
+    p.run([&](int part) { body(std::min(rows, part * per), std::min(rows, (part + 1) * per)); });
+  });
+}
+
+// Gradients through MLX's own rms_norm (training a head whose norms were swapped).
+std::vector<mx::array> RMSNorm::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                                    const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  const float eps = eps_;
+  auto f = [eps](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{mx::fast::rms_norm(in[0], in[1], eps)};
+  };
+  auto grads = mx::vjp(f, primals, cotangents).second;
+  std::vector<mx::array> picked;
+  for (int arg : argnums) picked.push_back(grads[arg]);
+  return picked;
+}
+
+void RMSNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("SpecbatchRMSNorm runs on the CPU only");
+}
+
+}  // namespace specbatch
