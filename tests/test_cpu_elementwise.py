@@ -107,3 +107,23 @@ def test_swapped_norms_and_ropes_give_mlx_outputs_and_keep_parameters():
         _near(b, a)
     with cpu.disabled():  # MLX's own ops again, bit for bit
         assert mx.array_equal(holder.rope(x, offset=3), before[1]).item()
+
+
+def test_a_model_swapped_on_one_thread_runs_first_on_another(model_dir):
+    # the engine loads on the caller's thread and decodes on its own: nothing the swap
+    # made may be a lazy array of the loading thread's stream
+    import threading
+
+    from specbatch.kernels.models import load
+    model = load(model_dir["llama"]).model
+    errors = []
+
+    def decode():
+        try:
+            mx.eval(model(mx.array([[1, 2, 3]], dtype=mx.int32)))
+        except Exception as exc:  # noqa: BLE001 - the test reports whatever it was
+            errors.append(exc)
+    worker = threading.Thread(target=decode)
+    worker.start()
+    worker.join()
+    assert errors == []

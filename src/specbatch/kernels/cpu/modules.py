@@ -130,6 +130,7 @@ def _swap_norm_or_rope(module: nn.Module) -> bool:
     freqs = _rope_inv_freq(module) if cls not in _fast_classes.values() else None
     if freqs is None:
         return False
+    mx.eval(freqs[0])  # now: a lazy array made on this thread cannot be evaluated on the engine's
     module._sb_inv_freq, module._sb_scale = freqs  # underscored: not parameters
     module.__class__ = _fast_class(cls, _rope_methods(cls))
     return True
