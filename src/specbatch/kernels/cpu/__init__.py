@@ -16,7 +16,8 @@ AVX2 kernels on an AVX-512 CPU.
 (sines and cosines recomputed per call and head).
 
 ``attention`` does softmax(q k^T) v for decode, verify and prefill queries over a strided
-KV (no copy of the cache), with a vectorised exp, query blocks that read each key once,
+KV (no copy of the cache), with a vectorised exp, query blocks (every head of a KV group
+together) that read and transpose each key once,
 and keys past a block's causal limit never read.
 
 Vocabulary: *rows* are the token rows of ``x`` (batch x positions) that share one read

@@ -75,7 +75,8 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   encoder.dispatch([a, q = inputs[0], k = inputs[1], v = inputs[2]]() mutable {
     std::vector<float> qc, kc, vc;
     a.q = rows_of(q, qc, a.qs), a.k = rows_of(k, kc, a.ks), a.v = rows_of(v, vc, a.vs);
-    const int64_t tasks = static_cast<int64_t>(a.B) * a.Hq * ((a.L + kQueryBlock - 1) / kQueryBlock);
+    const int qb = query_block(a.L);
+    const int64_t tasks = static_cast<int64_t>(a.B) * a.Hkv * ((a.L + qb - 1) / qb);
     if (tasks == 0 || a.T == 0) return;
     auto kernel = detect_isa() == Isa::avx512 ? attention_avx512 : attention_avx2;
     auto& p = pool();

@@ -20,8 +20,9 @@ struct AttentionArgs {
   bool causal;  // query i sees keys j <= T - L + i
 };
 
-// Query rows per block: each block reads the keys and values it sees once.
-constexpr int kQueryBlock = 8;
+// Query positions per block: each block reads (and transposes) the keys it sees once for
+// all of them; prefill chunks take larger blocks. A row's result never depends on it.
+inline int query_block(int L) { return L > 64 ? 32 : 8; }
 
 void attention_avx2(const AttentionArgs& a, int64_t task);
 void attention_avx512(const AttentionArgs& a, int64_t task);

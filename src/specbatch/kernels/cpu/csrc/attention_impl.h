@@ -1,12 +1,12 @@
 // The attention kernel body, compiled once per ISA (attention_avx2.cpp, attention_avx512.cpp)
 // with W float lanes. A query row's result is summed in one fixed order over keys 0..T-1
 // whatever block, batch or thread it falls in: masked keys add exact zeros.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "attention.h"
-#include "gemv.h"
 
 namespace specbatch {
 namespace {
@@ -88,64 +88,111 @@ void weigh_values(const float* p, int stride, int rows, const float* v, int64_t 
   weigh_any(p, stride, rows, v, vs, seen, D, acc);
 }
 
-// One block of query rows of one (batch, head): scores through the small-M kernel,
-// softmax in place, then the rows' weighted sums of values.
-void block(const AttentionArgs& a, int b, int h, int i0, int rows, std::vector<float>& s) {
-  const int hk = h / (a.Hq / a.Hkv), D = a.D;
-  const float* q = a.q + b * a.qs[0] + h * a.qs[1] + i0 * a.qs[2];
+// Keys j0 .. j0+n-1 as [D][W] (key j in lane j - j0; lanes past n zero): each score is
+// then one lane summed over d in order, the same order for every query block size.
+void transpose_keys(const float* k, int64_t ks, int j0, int n, int D, float* kt) {
+  for (int j = 0; j < n; ++j) {
+    const float* row = k + (j0 + j) * ks;
+    for (int d = 0; d < D; ++d) kt[d * W + j] = row[d];
+  }
+  for (int j = n; j < W; ++j)
+    for (int d = 0; d < D; ++d) kt[d * W + j] = 0.0f;
+}
+
+// s[r][0..W) = q_r . k_(j0 ..): R query rows in registers, one multiply and one add per d.
+template <int R>
+void dot_rows(const float* q, int D, const float* kt, float* s, int stride) {
+  vf acc[R] = {};
+  for (int d = 0; d < D; ++d) {
+    const vf kd = load(kt + d * W);
+    for (int r = 0; r < R; ++r) acc[r] += splat(q[r * D + d]) * kd;
+  }
+  for (int r = 0; r < R; ++r) store(s + static_cast<size_t>(r) * stride, acc[r]);
+}
+
+// Raw scores of `rows` query rows against keys [0, seen): s [rows][stride].
+void scores(const float* q, int rows, const float* k, int64_t ks, int seen, int D, float* s, int stride,
+            float* kt) {
+  constexpr int R = W == 16 ? 8 : 4;  // accumulators that fit the registers beside the keys
+  for (int j0 = 0; j0 < seen; j0 += W) {
+    transpose_keys(k, ks, j0, std::min(W, seen - j0), D, kt);
+    int r = 0;
+    for (; r + R <= rows; r += R) dot_rows<R>(q + r * D, D, kt, s + static_cast<size_t>(r) * stride + j0, stride);
+    for (; r + 2 <= rows; r += 2) dot_rows<2>(q + r * D, D, kt, s + static_cast<size_t>(r) * stride + j0, stride);
+    for (; r < rows; ++r) dot_rows<1>(q + r * D, D, kt, s + static_cast<size_t>(r) * stride + j0, stride);
+  }
+}
+
+// softmax in place over one row's keys [0, stride): masked and padding keys exactly zero;
+// returns 1 / the row's sum (0 for a fully masked row).
+float softmax_row(float* sr, int seen, int stride, int limit, const bool* m, int64_t mstride, float scale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  float top = neg_inf;
+  for (int j = 0; j < seen; ++j) {
+    const bool keep = j < limit && (!m || m[j * mstride]);
+    sr[j] = keep ? sr[j] * scale : neg_inf;
+    top = sr[j] > top ? sr[j] : top;
+  }
+  for (int j = seen; j < stride; ++j) sr[j] = neg_inf;
+  vf sum = vf{};
+  for (int j = 0; j < stride; j += W) {
+    vf x = load(sr + j);
+    vf p = exp_neg(x - top);
+    p = x == splat(neg_inf) ? vf{} : p;  // exactly zero: masked keys change no sum
+    store(sr + j, p);
+    sum += p;
+  }
+  const float total = hsum(sum);
+  return top == neg_inf || total == 0.0f ? 0.0f : 1.0f / total;
+}
+
+struct Scratch {
+  std::vector<float> s, q, acc, kt, inv;
+};
+
+// One block of query positions [i0, i0 + n) of one (batch, KV head), for every query head
+// of its group at once (row g * n + i: head hk * G + g, position i0 + i), so each key
+// block is transposed once for all of them.
+void block(const AttentionArgs& a, int b, int hk, int i0, int n, Scratch& w) {
+  const int G = a.Hq / a.Hkv, D = a.D, rows = G * n;
   const float* k = a.k + b * a.ks[0] + hk * a.ks[1];
   const float* v = a.v + b * a.vs[0] + hk * a.vs[1];
   const int shift = a.T - a.L;  // causal: query i sees keys j <= shift + i
-  const int seen = a.causal ? shift + i0 + rows : a.T;  // keys any row of the block sees
+  const int seen = a.causal ? shift + i0 + n : a.T;  // keys any row of the block sees
   const int stride = (seen + W - 1) / W * W;
-  s.assign(static_cast<size_t>(rows) * stride, 0.0f);
-  float qrows[kQueryBlock * 256];
-  for (int r = 0; r < rows; ++r)
-    for (int d = 0; d < D; ++d) qrows[r * D + d] = q[r * a.qs[2] + d];
-  if (a.ks[2] == D) {
-    GEMV(qrows, rows, D, k, 0, seen, s.data(), stride);
-  } else {
-    for (int j = 0; j < seen; ++j) GEMV(qrows, rows, D, k + j * a.ks[2], 0, 1, s.data() + j, stride);
+  w.s.resize(static_cast<size_t>(rows) * stride);
+  w.q.resize(static_cast<size_t>(rows) * D);
+  w.acc.resize(static_cast<size_t>(rows) * D);
+  w.kt.resize(static_cast<size_t>(D) * W);
+  w.inv.resize(rows);
+  for (int g = 0; g < G; ++g) {
+    const float* q = a.q + b * a.qs[0] + (hk * G + g) * a.qs[1] + i0 * a.qs[2];
+    for (int i = 0; i < n; ++i)
+      for (int d = 0; d < D; ++d) w.q[(g * n + i) * D + d] = q[i * a.qs[2] + d];
   }
-  float inv[kQueryBlock];
-  const float neg_inf = -std::numeric_limits<float>::infinity();
+  scores(w.q.data(), rows, k, a.ks[2], seen, D, w.s.data(), stride, w.kt.data());
   for (int r = 0; r < rows; ++r) {
-    float* sr = s.data() + static_cast<size_t>(r) * stride;
-    const int limit = a.causal ? shift + i0 + r + 1 : a.T;
-    const bool* m = a.mask ? a.mask + b * a.ms[0] + (i0 + r) * a.ms[1] : nullptr;
-    float top = neg_inf;
-    for (int j = 0; j < seen; ++j) {
-      const bool keep = j < limit && (!m || m[j * a.ms[2]]);
-      sr[j] = keep ? sr[j] * a.scale : neg_inf;
-      top = sr[j] > top ? sr[j] : top;
-    }
-    for (int j = seen; j < stride; ++j) sr[j] = neg_inf;  // the last vector's padding
-    vf sum = vf{};
-    for (int j = 0; j < stride; j += W) {
-      vf x = load(sr + j);
-      vf p = exp_neg(x - top);
-      p = x == splat(neg_inf) ? vf{} : p;  // exactly zero: masked keys change no sum
-      store(sr + j, p);
-      sum += p;
-    }
-    const float total = hsum(sum);
-    inv[r] = top == neg_inf || total == 0.0f ? 0.0f : 1.0f / total;  // a fully masked row: zeros
+    const int i = r % n;
+    const int limit = a.causal ? shift + i0 + i + 1 : a.T;
+    const bool* m = a.mask ? a.mask + b * a.ms[0] + (i0 + i) * a.ms[1] : nullptr;
+    w.inv[r] = softmax_row(w.s.data() + static_cast<size_t>(r) * stride, seen, stride, limit, m, a.ms[2], a.scale);
   }
-  float acc[kQueryBlock * 256];
-  weigh_values(s.data(), stride, rows, v, a.vs[2], seen, D, acc);
-  float* out = a.out + ((static_cast<int64_t>(b) * a.Hq + h) * a.L + i0) * D;
-  for (int r = 0; r < rows; ++r)
-    for (int d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv[r];
+  weigh_values(w.s.data(), stride, rows, v, a.vs[2], seen, D, w.acc.data());
+  for (int r = 0; r < rows; ++r) {
+    const int g = r / n, i = r % n;
+    float* out = a.out + ((static_cast<int64_t>(b) * a.Hq + hk * G + g) * a.L + i0 + i) * D;
+    for (int d = 0; d < D; ++d) out[d] = w.acc[r * D + d] * w.inv[r];
+  }
 }
 
 }  // namespace
 
 void ATTENTION(const AttentionArgs& a, int64_t task) {
-  static thread_local std::vector<float> scores;
-  const int blocks = (a.L + kQueryBlock - 1) / kQueryBlock;
+  static thread_local Scratch scratch;
+  const int qb = query_block(a.L), blocks = (a.L + qb - 1) / qb;
   const int bh = static_cast<int>(task / blocks), blk = static_cast<int>(task % blocks);
-  const int i0 = blk * kQueryBlock;
-  block(a, bh / a.Hq, bh % a.Hq, i0, std::min(kQueryBlock, a.L - i0), scores);
+  const int i0 = blk * qb;
+  block(a, bh / a.Hkv, bh % a.Hkv, i0, std::min(qb, a.L - i0), scratch);
 }
 
 }  // namespace specbatch
