@@ -168,6 +168,17 @@ def test_a_query_rows_attention_is_the_same_bits_alone_or_in_a_verify():
         assert mx.array_equal(alone[:, :, 0], verify[:, :, i]).item()
 
 
+@needs_kernels
+def test_a_prefill_chunk_matches_mlx_and_each_row_decoded_alone():
+    k, v = mx.random.normal((2, 2, 130, 64)), mx.random.normal((2, 2, 130, 64))
+    q = mx.random.normal((2, 6, 100, 64))  # a chunk: larger query blocks than a verify's
+    chunk = cpu.attention(q, k, v, 0.125, "causal")
+    assert mx.allclose(chunk, _sdpa_ref(q, k, v, 0.125, "causal"), rtol=1e-5, atol=1e-5).item()
+    for i in (0, 31, 32, 99):
+        alone = cpu.attention(q[:, :, i:i + 1], k[:, :, : 31 + i], v[:, :, : 31 + i], 0.125, None)
+        assert mx.array_equal(alone[:, :, 0], chunk[:, :, i]).item()
+
+
 def test_additive_masks_and_half_precision_use_mlx():
     q, k, v = (mx.random.normal((1, 2, 3, 8)) for _ in range(3))
     additive = mx.zeros((1, 1, 3, 3))
