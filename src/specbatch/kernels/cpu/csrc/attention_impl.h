@@ -88,9 +88,40 @@ void weigh_values(const float* p, int stride, int rows, const float* v, int64_t 
   weigh_any(p, stride, rows, v, vs, seen, D, acc);
 }
 
+// Lane p of the result: a[p] where bit h of p is clear, else b[p - h] (lo); a[p + h] or
+// b[p] (hi). log2(W) such steps swap the off-diagonal blocks of a W x W tile: a transpose.
+template <int H>
+inline void swap_blocks(vf& a, vf& b) {
+  vi lo, hi;
+  for (int p = 0; p < W; ++p) {
+    lo[p] = (p & H) ? W + p - H : p;
+    hi[p] = (p & H) ? W + p : p + H;
+  }
+  const vf x = __builtin_shuffle(a, b, lo), y = __builtin_shuffle(a, b, hi);
+  a = x, b = y;
+}
+
+template <int H>
+inline void transpose_step(vf* r) {
+  for (int i = 0; i < W; ++i)
+    if (!(i & H)) swap_blocks<H>(r[i], r[i + H]);
+}
+
 // Keys j0 .. j0+n-1 as [D][W] (key j in lane j - j0; lanes past n zero): each score is
 // then one lane summed over d in order, the same order for every query block size.
 void transpose_keys(const float* k, int64_t ks, int j0, int n, int D, float* kt) {
+  if (n == W && D % W == 0) {  // whole W x W tiles, transposed in registers
+    for (int d0 = 0; d0 < D; d0 += W) {
+      vf r[W];
+      for (int j = 0; j < W; ++j) r[j] = load(k + (j0 + j) * ks + d0);
+      if (W >= 16) transpose_step<(W >= 16 ? 8 : 1)>(r);
+      transpose_step<4>(r);
+      transpose_step<2>(r);
+      transpose_step<1>(r);
+      for (int d = 0; d < W; ++d) store(kt + (d0 + d) * W, r[d]);
+    }
+    return;
+  }
   for (int j = 0; j < n; ++j) {
     const float* row = k + (j0 + j) * ks;
     for (int d = 0; d < D; ++d) kt[d * W + j] = row[d];
