@@ -7,6 +7,28 @@ namespace {
 
 constexpr int kPrefetch = 1024;  // floats
 
+// out[a] = _mm512_reduce_add_ps(acc[a]) for 16 accumulators, bit for bit (the same pairs
+// added in the same tree: lanes p and p+8, then +4, +2, +1), by shuffles that add two
+// accumulators' halves at once: 30 shuffles and 15 adds instead of 16 x 8 operations.
+__attribute__((target("avx512f"))) inline void reduce16(const __m512* acc, float* out) {
+  __m512 v[8], u[4], t[2];
+  for (int k = 0; k < 8; ++k)  // lanes 0-7: acc 2k's p + (p+8); lanes 8-15: acc 2k+1's
+    v[k] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * k], acc[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(acc[2 * k], acc[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 4; ++k)  // 128-bit lane q: acc 4k+q's four partial sums
+    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int k = 0; k < 2; ++k)  // lane q, elements 0-1: acc 8k+q; 2-3: acc 8k+4+q
+    t[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 total = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, total);
+  for (int q = 0; q < 4; ++q)
+    for (int e = 0; e < 4; ++e) out[4 * e + q] = lanes[4 * q + e];  // lane (q, e) holds acc 4e+q
+}
+
 // NB weight rows x MB token rows per tile: 16 accumulators of 32 zmm registers.
 template <int NB, int MB>
 __attribute__((target("avx512f"))) void tile(const float* x, int K, const float* w, float* y, int N) {
@@ -35,8 +57,15 @@ __attribute__((target("avx512f"))) void tile(const float* x, int K, const float*
       for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
     }
   }
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MB; ++j) y[(long)j * N + i] = _mm512_reduce_add_ps(acc[i][j]);
+  if constexpr (NB * MB == 16) {
+    float sums[16];
+    reduce16(&acc[0][0], sums);
+    for (int i = 0; i < NB; ++i)
+      for (int j = 0; j < MB; ++j) y[(long)j * N + i] = sums[i * MB + j];
+  } else {
+    for (int i = 0; i < NB; ++i)
+      for (int j = 0; j < MB; ++j) y[(long)j * N + i] = _mm512_reduce_add_ps(acc[i][j]);
+  }
 }
 
 template <int NB>
