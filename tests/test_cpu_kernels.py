@@ -179,6 +179,33 @@ def test_a_prefill_chunk_matches_mlx_and_each_row_decoded_alone():
         assert mx.array_equal(alone[:, :, 0], chunk[:, :, i]).item()
 
 
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), kv=st.integers(1, 3), group=st.integers(1, 3), length=st.integers(1, 12),
+       t=st.integers(12, 70), kind=st.sampled_from(["", "causal", "array"]), seed=st.integers(0, 2**16))
+def test_paged_attention_reads_the_pools_as_the_gathered_view(b, kv, group, length, t, kind, seed):
+    rng = np.random.default_rng(seed)
+    d, pool_rows = 64, 160
+    k_pool = mx.array(rng.standard_normal((pool_rows, kv * d)), dtype=mx.float32)  # [P, Hkv * D]
+    v_pool = mx.array(rng.standard_normal((pool_rows, kv * d)), dtype=mx.float32)
+    slots = mx.array(np.stack([rng.permutation(pool_rows)[:t] for _ in range(b)]), dtype=mx.int32)  # [B, T]
+    q = mx.array(rng.standard_normal((b, kv * group, length, d)), dtype=mx.float32)
+    mask = None if kind == "" else kind
+    if kind == "array":
+        mask = mx.array(rng.random((b, 1, length, t)) > 0.4)
+        mask[..., 0] = True
+    gathered = [p[slots].reshape(b, t, kv, d).transpose(0, 2, 1, 3) for p in (k_pool, v_pool)]  # [B, Hkv, T, D]
+    paged = cpu.paged_attention(q, (k_pool, v_pool, slots), 0.125, mask)
+    assert mx.array_equal(paged, cpu.attention(q, *gathered, 0.125, mask)).item()  # same keys, same order: same bits
+
+
+@needs_kernels
+def test_paged_attention_with_a_slot_outside_the_pool_gives_nan_not_a_stray_read():
+    pools = mx.zeros((8, 64)), mx.zeros((8, 64))
+    out = cpu.paged_attention(mx.zeros((1, 1, 1, 64)), (*pools, mx.array([[0, 9]], dtype=mx.int32)), 1.0, None)
+    assert mx.isnan(out).all().item()
+
+
 def test_additive_masks_and_half_precision_use_mlx():
     q, k, v = (mx.random.normal((1, 2, 3, 8)) for _ in range(3))
     additive = mx.zeros((1, 1, 3, 3))

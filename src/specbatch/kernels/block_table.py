@@ -86,6 +86,16 @@ class BlockTable:
                 self._memo[key] = mx.array(self._slots_at(pos))
         return self._memo[key]
 
+    def slot_matrix(self, lengths: list[int]) -> mx.array:
+        """``gather``'s slots as an int32 ``[B, T]`` array always (what attention reads)."""
+        key = ("m", tuple(lengths))
+        if key not in self._memo:
+            index = self.gather(lengths)
+            T = max(lengths)
+            self._memo[key] = (mx.arange(index, index + T, dtype=mx.int32)[None] if isinstance(index, int)
+                               else index.astype(mx.int32))
+        return self._memo[key]
+
     def _slots_at(self, pos: np.ndarray) -> np.ndarray:
         """Pool slot of token ``pos[b, t]`` of row b (positions past a row's blocks: 0)."""
         width = max((len(r) for r in self.rows), default=0)

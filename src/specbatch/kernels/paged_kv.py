@@ -130,6 +130,13 @@ class PagedLayer(RaggedKVCache):
         index = self.table.gather(self._lengths)
         return self.kpool.read(index, self._lengths), self.vpool.read(index, self._lengths)
 
+    def paged_view(self):
+        """(key pool, value pool ``[P, H * D]``, slots ``[B, T]``) for an attention kernel that
+        reads the pools in place; None under ``kv_bits`` (tokens stored quantized)."""
+        if self.kv_bits or self.kpool is None or not any(self._lengths):
+            return None
+        return self.kpool.parts[0], self.vpool.parts[0], self.table.slot_matrix(self._lengths)
+
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **_):
         """Mask ``[B, 1, N, T]``: row b's query j sees its columns 0 .. len_b + j."""
         if window_size is not None:

@@ -67,6 +67,10 @@ class TreeCache:
     def update_and_fetch(self, keys, values):
         return self.inner.update_and_fetch(keys, values)
 
+    def paged_view(self):
+        view = getattr(self.inner, "paged_view", None)  # a paged cache is read in place here too
+        return view() if view is not None else None
+
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **_):
         if window_size is not None:
             raise NotImplementedError("tree verification does not support sliding windows")

@@ -139,6 +139,22 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 _NO_MASK = mx.array(False)
 
 
+def paged_attention(queries: mx.array, view, scale: float, mask) -> mx.array | None:
+    """:func:`attention` over a paged cache read in place: ``view`` is (key pool, value pool
+    ``[P, Hkv * D]``, slots int32 ``[B, T]``). None where the kernel does not apply (the
+    caller attends over the gathered view instead)."""
+    ext = _active()
+    k_pool, v_pool, slots = view
+    kind = "" if mask is None else mask if isinstance(mask, str) else "array"
+    if (ext is None or queries.dtype != mx.float32 or k_pool.dtype != mx.float32 or queries.ndim != 4
+            or queries.shape[-1] > 256 or kind not in ("", "causal", "array")
+            or (kind == "array" and (mask.dtype != mx.bool_ or mask.ndim != 4 or mask.shape[1] != 1))):
+        return None
+    if kind == "array" and mask.shape[2:] != (queries.shape[2], slots.shape[1]):
+        mask = mx.broadcast_to(mask, (mask.shape[0], 1, queries.shape[2], slots.shape[1]))
+    return ext.paged_attention(queries, k_pool, v_pool, slots, scale, kind, mask if kind == "array" else _NO_MASK)
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """``mx.fast.rms_norm`` as one kernel op (float32 on the CPU), MLX's op otherwise."""
     ext = _active()

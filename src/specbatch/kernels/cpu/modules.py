@@ -6,7 +6,9 @@ the drafters' shared heads see no difference.
 
 mlx-lm's attention layers call their module's ``scaled_dot_product_attention``; that name is
 wrapped once per model module, and the wrapper takes the kernel only while a swapped layer
-is running, so an mlx-lm model loaded beside ours (the benchmarks' baseline) is untouched."""
+is running, so an mlx-lm model loaded beside ours (the benchmarks' baseline) is untouched.
+Over a paged cache (one with ``paged_view``) the kernel reads the pools through the block
+table in place; the gathered view the cache returned stays lazy and is never computed."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import attention, extension, linear, rms_norm, rope, rope_positions
+from . import attention, extension, linear, paged_attention, rms_norm, rope, rope_positions
 
 _inside = threading.local()  # set while a swapped attention layer runs on this thread
 
@@ -61,7 +63,10 @@ def _wrap_sdpa(module_name: str) -> bool:
 
     def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
         if getattr(_inside, "on", False) and sinks is None and not hasattr(cache, "bits"):
-            return attention(queries, keys, values, scale, mask)
+            paged = getattr(cache, "paged_view", None)  # a paged cache read in place: its gather never runs
+            view = paged() if paged is not None else None
+            out = paged_attention(queries, view, scale, mask) if view is not None else None
+            return attention(queries, keys, values, scale, mask) if out is None else out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     sdpa._specbatch = True

@@ -1,6 +1,7 @@
 #include "attention.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <vector>
 
@@ -35,6 +36,34 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   return mx::array(q.shape(), mx::float32, std::make_shared<Attention>(s, scale, mask_kind == "causal"), inputs);
 }
 
+mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                          const mx::array& slots, float scale, const std::string& mask_kind, const mx::array& mask) {
+  if (q.dtype() != mx::float32 || q.ndim() != 4 || k_pool.dtype() != mx::float32 || v_pool.dtype() != mx::float32)
+    throw std::invalid_argument("paged_attention: float32 q [B, Hq, L, D] and pools");
+  const int Hq = q.shape(1), D = q.shape(3);
+  if (k_pool.ndim() != 2 || k_pool.shape() != v_pool.shape() || D == 0 || k_pool.shape(1) % D != 0)
+    throw std::invalid_argument("paged_attention: pools [P, Hkv * D], the same for keys and values");
+  const int Hkv = k_pool.shape(1) / D;
+  if (Hkv == 0 || Hq % Hkv != 0 || D > 256) throw std::invalid_argument("paged_attention: Hq a multiple of Hkv, D <= 256");
+  if (slots.dtype() != mx::int32 || slots.ndim() != 2 || slots.shape(0) != q.shape(0))
+    throw std::invalid_argument("paged_attention: slots int32 [B, T]");
+  if (detect_isa() == Isa::none) throw std::runtime_error("paged_attention: the CPU lacks AVX2/FMA");
+  const int T = slots.shape(1);
+  if (mask_kind == "causal" && q.shape(2) > T) throw std::invalid_argument("paged_attention: more queries than keys");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {q, mx::contiguous(k_pool, false, s), mx::contiguous(v_pool, false, s),
+                                   mx::contiguous(slots, false, s)};
+  if (mask_kind == "array") {
+    if (mask.dtype() != mx::bool_ || mask.ndim() != 4 || mask.shape(1) != 1 || mask.shape(2) != q.shape(2) ||
+        mask.shape(3) != T || (mask.shape(0) != 1 && mask.shape(0) != q.shape(0)))
+      throw std::invalid_argument("paged_attention: a bool mask [B or 1, 1, L, T]");
+    inputs.push_back(mask);
+  } else if (!mask_kind.empty() && mask_kind != "causal") {
+    throw std::invalid_argument("paged_attention: mask is '', 'causal' or 'array'");
+  }
+  return mx::array(q.shape(), mx::float32, std::make_shared<Attention>(s, scale, mask_kind == "causal", true), inputs);
+}
+
 namespace {
 // The head dimension must be contiguous for the kernels; anything else is copied first.
 const float* rows_of(const mx::array& a, std::vector<float>& copy, int64_t* strides) {
@@ -54,6 +83,11 @@ const float* rows_of(const mx::array& a, std::vector<float>& copy, int64_t* stri
   strides[0] = static_cast<int64_t>(n1) * n2 * n3, strides[1] = static_cast<int64_t>(n2) * n3, strides[2] = n3;
   return copy.data();
 }
+bool slots_in_range(const int32_t* slots, int64_t n, int64_t rows) {
+  for (int64_t i = 0; i < n; ++i)
+    if (slots[i] < 0 || slots[i] >= rows) return false;
+  return true;
+}
 }  // namespace
 
 void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -65,16 +99,33 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& k = inputs[1];
   AttentionArgs a{};
   a.B = q.shape(0), a.Hq = q.shape(1), a.L = q.shape(2), a.D = q.shape(3);
-  a.Hkv = k.shape(1), a.T = k.shape(2), a.scale = scale_, a.causal = causal_;
+  a.scale = scale_, a.causal = causal_;
   a.out = out.data<float>();
-  if (inputs.size() == 4) {
-    const auto& m = inputs[3];
+  const size_t mask_at = paged_ ? 4 : 3;
+  if (paged_) {
+    const auto& slots = inputs[3];
+    a.Hkv = k.shape(1) / a.D, a.T = slots.shape(1);
+    a.k = k.data<float>(), a.v = inputs[2].data<float>();
+    a.ks[0] = a.vs[0] = 0, a.ks[1] = a.vs[1] = a.D, a.ks[2] = a.vs[2] = k.shape(1);
+    a.slots = slots.data<int32_t>(), a.slot_stride = slots.shape(1);
+  } else {
+    a.Hkv = k.shape(1), a.T = k.shape(2);
+  }
+  if (inputs.size() > mask_at) {
+    const auto& m = inputs[mask_at];
     a.mask = m.data<bool>();
     a.ms[0] = m.shape(0) == 1 ? 0 : m.strides(0), a.ms[1] = m.strides(2), a.ms[2] = m.strides(3);
   }
-  encoder.dispatch([a, q = inputs[0], k = inputs[1], v = inputs[2]]() mutable {
+  const int64_t pool_rows = paged_ ? k.shape(0) : 0;
+  encoder.dispatch([a, q = inputs[0], k = inputs[1], v = inputs[2], pool_rows]() mutable {
     std::vector<float> qc, kc, vc;
-    a.q = rows_of(q, qc, a.qs), a.k = rows_of(k, kc, a.ks), a.v = rows_of(v, vc, a.vs);
+    a.q = rows_of(q, qc, a.qs);
+    if (a.slots == nullptr) {
+      a.k = rows_of(k, kc, a.ks), a.v = rows_of(v, vc, a.vs);
+    } else if (!slots_in_range(a.slots, static_cast<int64_t>(a.B) * a.T, pool_rows)) {
+      std::fill(a.out, a.out + static_cast<int64_t>(a.B) * a.Hq * a.L * a.D, std::nanf(""));  // a table bug: NaN, never a stray read
+      return;
+    }
     const int qb = query_block(a.L);
     const int64_t tasks = static_cast<int64_t>(a.B) * a.Hkv * ((a.L + qb - 1) / qb);
     if (tasks == 0 || a.T == 0) return;

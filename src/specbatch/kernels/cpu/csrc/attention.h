@@ -11,9 +11,11 @@ namespace specbatch {
 
 namespace mx = mlx::core;
 
-// What one call sees; strides in floats (the head dimension D is contiguous).
+// What one call sees; strides in floats (the head dimension D is contiguous). Paged: key
+// j of batch row b is pool row slots[b * slot_stride + j] (ks[2], vs[2]: a pool row's size).
 struct AttentionArgs {
   const float* q; const float* k; const float* v; const bool* mask; float* out;
+  const int32_t* slots; int64_t slot_stride;
   int B, Hq, Hkv, L, T, D;
   int64_t qs[3], ks[3], vs[3], ms[3];  // [batch, head, row] strides; ms: [batch, query, key]
   float scale;
@@ -24,6 +26,12 @@ struct AttentionArgs {
 // all of them; prefill chunks take larger blocks. A row's result never depends on it.
 inline int query_block(int L) { return L > 64 ? 32 : 8; }
 
+// One head's keys (or values): key j at base + j * stride, or at pool row slots[j].
+struct KeyRows {
+  const float* base; int64_t stride; const int32_t* slots;
+  const float* at(int j) const { return base + (slots ? slots[j] : j) * stride; }
+};
+
 void attention_avx2(const AttentionArgs& a, int64_t task);
 void attention_avx512(const AttentionArgs& a, int64_t task);
 
@@ -32,21 +40,28 @@ void attention_avx512(const AttentionArgs& a, int64_t task);
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     const std::string& mask_kind, const mx::array& mask);
 
+// The same over a paged cache: k_pool and v_pool [P, Hkv * D] (one row per token slot),
+// slots int32 [B, T]: row b's key j is pool row slots[b, j] (columns past a row's length
+// point at any valid slot and are masked).
+mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
+                          const mx::array& slots, float scale, const std::string& mask_kind, const mx::array& mask);
+
 class Attention : public mx::UnaryPrimitive {
  public:
-  Attention(mx::Stream stream, float scale, bool causal)
-      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+  Attention(mx::Stream stream, float scale, bool causal, bool paged = false)
+      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal), paged_(paged) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "SpecbatchAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && paged_ == o.paged_;
   }
 
  private:
   float scale_;
   bool causal_;
+  bool paged_;  // inputs q, k_pool, v_pool, slots[, mask]
 };
 
 }  // namespace specbatch

@@ -47,11 +47,12 @@ inline float hsum(vf v) {
 // acc[r] = sum_j p[r][j] v[j] for RN rows kept in registers over every key (NV vectors of a
 // head); one multiply and one add per term, in key order (no contraction: -ffp-contract=off).
 template <int NV, int RN>
-void weigh_rows(const float* p, int stride, const float* v, int64_t vs, int seen, float* acc) {
+void weigh_rows(const float* p, int stride, const KeyRows& v, int seen, float* acc) {
   vf sum[RN][NV] = {};
   for (int j = 0; j < seen; ++j) {
     vf vj[NV];
-    for (int n = 0; n < NV; ++n) vj[n] = load(v + j * vs + n * W);
+    const float* vrow = v.at(j);
+    for (int n = 0; n < NV; ++n) vj[n] = load(vrow + n * W);
     for (int r = 0; r < RN; ++r) {
       const vf pr = splat(p[static_cast<size_t>(r) * stride + j]);
       for (int n = 0; n < NV; ++n) sum[r][n] += pr * vj[n];
@@ -62,30 +63,30 @@ void weigh_rows(const float* p, int stride, const float* v, int64_t vs, int seen
 }
 
 template <int NV>
-void weigh_fixed(const float* p, int stride, int rows, const float* v, int64_t vs, int seen, float* acc) {
+void weigh_fixed(const float* p, int stride, int rows, const KeyRows& v, int seen, float* acc) {
   constexpr int regs = W == 16 ? 32 : 16;  // rows per pass that fit the registers with the values
   constexpr int R = (regs - NV) / NV >= 4 ? 4 : (regs - NV) / NV >= 2 ? 2 : 1;
   int r = 0;
-  for (; r + R <= rows; r += R) weigh_rows<NV, R>(p + r * stride, stride, v, vs, seen, acc + r * NV * W);
-  for (; r < rows; ++r) weigh_rows<NV, 1>(p + r * stride, stride, v, vs, seen, acc + r * NV * W);
+  for (; r + R <= rows; r += R) weigh_rows<NV, R>(p + r * stride, stride, v, seen, acc + r * NV * W);
+  for (; r < rows; ++r) weigh_rows<NV, 1>(p + r * stride, stride, v, seen, acc + r * NV * W);
 }
 
 // Any head size: the same terms in the same order, through memory.
-void weigh_any(const float* p, int stride, int rows, const float* v, int64_t vs, int seen, int D, float* acc) {
+void weigh_any(const float* p, int stride, int rows, const KeyRows& v, int seen, int D, float* acc) {
   for (int i = 0; i < rows * D; ++i) acc[i] = 0.0f;
   for (int j = 0; j < seen; ++j)
     for (int r = 0; r < rows; ++r) {
       const float pr = p[static_cast<size_t>(r) * stride + j];
-      for (int d = 0; d < D; ++d) acc[r * D + d] += pr * v[j * vs + d];
+      for (int d = 0; d < D; ++d) acc[r * D + d] += pr * v.at(j)[d];
     }
 }
 
-void weigh_values(const float* p, int stride, int rows, const float* v, int64_t vs, int seen, int D, float* acc) {
-  if (D == 4 * W) return weigh_fixed<4>(p, stride, rows, v, vs, seen, acc);
-  if (D == 8 * W) return weigh_fixed<8>(p, stride, rows, v, vs, seen, acc);
-  if (D == 2 * W) return weigh_fixed<2>(p, stride, rows, v, vs, seen, acc);
-  if (D == W) return weigh_fixed<1>(p, stride, rows, v, vs, seen, acc);
-  weigh_any(p, stride, rows, v, vs, seen, D, acc);
+void weigh_values(const float* p, int stride, int rows, const KeyRows& v, int seen, int D, float* acc) {
+  if (D == 4 * W) return weigh_fixed<4>(p, stride, rows, v, seen, acc);
+  if (D == 8 * W) return weigh_fixed<8>(p, stride, rows, v, seen, acc);
+  if (D == 2 * W) return weigh_fixed<2>(p, stride, rows, v, seen, acc);
+  if (D == W) return weigh_fixed<1>(p, stride, rows, v, seen, acc);
+  weigh_any(p, stride, rows, v, seen, D, acc);
 }
 
 // Lane p of the result: a[p] where bit h of p is clear, else b[p - h] (lo); a[p + h] or
@@ -109,11 +110,11 @@ inline void transpose_step(vf* r) {
 
 // Keys j0 .. j0+n-1 as [D][W] (key j in lane j - j0; lanes past n zero): each score is
 // then one lane summed over d in order, the same order for every query block size.
-void transpose_keys(const float* k, int64_t ks, int j0, int n, int D, float* kt) {
+void transpose_keys(const KeyRows& k, int j0, int n, int D, float* kt) {
   if (n == W && D % W == 0) {  // whole W x W tiles, transposed in registers
     for (int d0 = 0; d0 < D; d0 += W) {
       vf r[W];
-      for (int j = 0; j < W; ++j) r[j] = load(k + (j0 + j) * ks + d0);
+      for (int j = 0; j < W; ++j) r[j] = load(k.at(j0 + j) + d0);
       if (W >= 16) transpose_step<(W >= 16 ? 8 : 1)>(r);
       transpose_step<4>(r);
       transpose_step<2>(r);
@@ -123,7 +124,7 @@ void transpose_keys(const float* k, int64_t ks, int j0, int n, int D, float* kt)
     return;
   }
   for (int j = 0; j < n; ++j) {
-    const float* row = k + (j0 + j) * ks;
+    const float* row = k.at(j0 + j);
     for (int d = 0; d < D; ++d) kt[d * W + j] = row[d];
   }
   for (int j = n; j < W; ++j)
@@ -142,11 +143,10 @@ void dot_rows(const float* q, int D, const float* kt, float* s, int stride) {
 }
 
 // Raw scores of `rows` query rows against keys [0, seen): s [rows][stride].
-void scores(const float* q, int rows, const float* k, int64_t ks, int seen, int D, float* s, int stride,
-            float* kt) {
+void scores(const float* q, int rows, const KeyRows& k, int seen, int D, float* s, int stride, float* kt) {
   constexpr int R = W == 16 ? 8 : 4;  // accumulators that fit the registers beside the keys
   for (int j0 = 0; j0 < seen; j0 += W) {
-    transpose_keys(k, ks, j0, std::min(W, seen - j0), D, kt);
+    transpose_keys(k, j0, std::min(W, seen - j0), D, kt);
     int r = 0;
     for (; r + R <= rows; r += R) dot_rows<R>(q + r * D, D, kt, s + static_cast<size_t>(r) * stride + j0, stride);
     for (; r + 2 <= rows; r += 2) dot_rows<2>(q + r * D, D, kt, s + static_cast<size_t>(r) * stride + j0, stride);
@@ -186,8 +186,9 @@ struct Scratch {
 // block is transposed once for all of them.
 void block(const AttentionArgs& a, int b, int hk, int i0, int n, Scratch& w) {
   const int G = a.Hq / a.Hkv, D = a.D, rows = G * n;
-  const float* k = a.k + b * a.ks[0] + hk * a.ks[1];
-  const float* v = a.v + b * a.vs[0] + hk * a.vs[1];
+  const int32_t* slots = a.slots ? a.slots + b * a.slot_stride : nullptr;
+  const KeyRows k{a.k + b * a.ks[0] + hk * a.ks[1], a.ks[2], slots};
+  const KeyRows v{a.v + b * a.vs[0] + hk * a.vs[1], a.vs[2], slots};
   const int shift = a.T - a.L;  // causal: query i sees keys j <= shift + i
   const int seen = a.causal ? shift + i0 + n : a.T;  // keys any row of the block sees
   const int stride = (seen + W - 1) / W * W;
@@ -201,14 +202,14 @@ void block(const AttentionArgs& a, int b, int hk, int i0, int n, Scratch& w) {
     for (int i = 0; i < n; ++i)
       for (int d = 0; d < D; ++d) w.q[(g * n + i) * D + d] = q[i * a.qs[2] + d];
   }
-  scores(w.q.data(), rows, k, a.ks[2], seen, D, w.s.data(), stride, w.kt.data());
+  scores(w.q.data(), rows, k, seen, D, w.s.data(), stride, w.kt.data());
   for (int r = 0; r < rows; ++r) {
     const int i = r % n;
     const int limit = a.causal ? shift + i0 + i + 1 : a.T;
     const bool* m = a.mask ? a.mask + b * a.ms[0] + (i0 + i) * a.ms[1] : nullptr;
     w.inv[r] = softmax_row(w.s.data() + static_cast<size_t>(r) * stride, seen, stride, limit, m, a.ms[2], a.scale);
   }
-  weigh_values(w.s.data(), stride, rows, v, a.vs[2], seen, D, w.acc.data());
+  weigh_values(w.s.data(), stride, rows, v, seen, D, w.acc.data());
   for (int r = 0; r < rows; ++r) {
     const int g = r / n, i = r % n;
     float* out = a.out + ((static_cast<int64_t>(b) * a.Hq + hk * G + g) * a.L + i0 + i) * D;

@@ -18,6 +18,9 @@ NB_MODULE(_ext, m) {
   m.def("attention", &specbatch::attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
         nb::arg("mask_kind"), nb::arg("mask"),
         "softmax(q k^T * scale) v over a strided KV; mask_kind '', 'causal' or 'array' (bool mask)");
+  m.def("paged_attention", &specbatch::paged_attention, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
+        nb::arg("slots"), nb::arg("scale"), nb::arg("mask_kind"), nb::arg("mask"),
+        "attention over pools [P, Hkv * D] read through slots [B, T] (a paged cache, no gather)");
   m.def("rms_norm", &specbatch::rms_norm, nb::arg("x"), nb::arg("w"), nb::arg("eps"),
         "x * rsqrt(mean(x^2) + eps) * w per row (float32, CPU), one op");
   m.def("rope", &specbatch::rope, nb::arg("x"), nb::arg("positions"), nb::arg("inv_freq"), nb::arg("dims"),
