@@ -33,3 +33,27 @@ def test_kernels_bench_measures_the_bound_and_both_paths(tiny):
     assert total >= model.model.embed_tokens.weight.nbytes + dims * dims * 4
     assert kernels.sgemv_probe(model, repeats=1) > 0
     assert kernels.forward_ms(model, 2, 3, repeats=1) > 0
+
+
+def test_the_policy_bench_decodes_prompts_calibration_never_saw_at_mixed_temperatures(tiny):
+    from specbatch.tools import workload
+    from specbatch.tools.bench import policy
+    tok = tiny.tokenizer
+    held_out = policy.held_out_prompts(tok, 8)
+    calibrated = workload.prompts(tok, 24)  # what `calibrate` and the other suites decode
+    chats = [p for i, p in enumerate(held_out) if i % 2 == 0]
+    assert len(held_out) == 8 and not any(p in calibrated for p in chats)
+
+    class Recorder:  # an engine that answers at once and remembers what it was asked
+        def __init__(self):
+            self.asked = []
+
+        def submit(self, prompt, params):
+            self.asked.append(params)
+            usage = type("Usage", (), {"completion_tokens": params.max_tokens})
+            return type("Handle", (), {"result": lambda self, timeout: type("R", (), {"usage": usage})})()
+
+    engine = Recorder()
+    assert policy.mixed_tok_s(engine, held_out[:4], 5) > 0
+    assert [p.temperature for p in engine.asked] == [0.0, 0.7, 0.0, 0.7]
+    assert len({p.seed for p in engine.asked}) == 4

@@ -13,18 +13,22 @@ from .harness import _median_rows, acceptance, code_prompts, engine_tok_s, mlx_l
 
 
 def suite_plain(ctx) -> dict:
-    """Plain decode tokens/s at each width: our batch loop vs mlx-lm's BatchGenerator."""
-    engine = ctx.engine(speculation=False)
+    """Plain decode tokens/s at each width: our batch loop (dense and paged KV) vs mlx-lm's
+    BatchGenerator."""
+    engine = ctx.engine(speculation=False, kv_layout="dense")
+    paged = ctx.engine(speculation=False, kv_layout="paged")
     prompts = code_prompts(ctx.target.tokenizer, max(ctx.widths))
     rows = []
     for width in tqdm(ctx.widths, desc="plain", unit="width"):
-        samples = {"specbatch": [], "mlx_lm": []}
+        samples = {"specbatch": [], "paged": [], "mlx_lm": []}
         for _ in range(ctx.repeats):
             samples["specbatch"].append(engine_tok_s(engine, prompts[:width], ctx.tokens))
+            samples["paged"].append(engine_tok_s(paged, prompts[:width], ctx.tokens))
             samples["mlx_lm"].append(mlx_lm_batch_tok_s(ctx.target.model, prompts[:width], ctx.tokens))
         m = _median_rows(samples)
-        rows.append({"width": width, "specbatch_tok_s": m["specbatch"], "mlx_lm_tok_s": m["mlx_lm"],
-                     "ratio": m["specbatch"] / m["mlx_lm"]})
+        rows.append({"width": width, "specbatch_tok_s": m["specbatch"], "paged_tok_s": m["paged"],
+                     "mlx_lm_tok_s": m["mlx_lm"], "ratio": m["specbatch"] / m["mlx_lm"],
+                     "paged_vs_dense": m["paged"] / m["specbatch"]})
     return {"rows": rows}
 
 

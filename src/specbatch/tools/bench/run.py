@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 from ...runtime.config import load_pair
-from . import basic, http, kernels, long, memory, prefix, serving, sharded, tree
+from . import basic, http, kernels, long, memory, policy, prefix, serving, sharded, tree
 from .harness import Context
 
 SUITES = {"plain": basic.suite_plain, "scalar": basic.suite_scalar, "widths": basic.suite_widths,
           **serving.SUITES, **http.SUITES, "drafters": serving.suite_drafters, **sharded.SUITES,
-          **memory.SUITES, **prefix.SUITES, **long.SUITES, **tree.SUITES, **kernels.SUITES}
+          **memory.SUITES, **prefix.SUITES, **long.SUITES, **tree.SUITES, **kernels.SUITES, **policy.SUITES}
 
 
 def machine() -> dict:

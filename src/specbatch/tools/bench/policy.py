@@ -1,0 +1,76 @@
+"""``bench --suite policy``: does the speculation policy earn its keep?
+
+A mixed workload the calibration never saw (held-out chat questions and code completions
+together, rows alternating temperature 0 and 0.7) at each width, decoded by: plain, every
+fixed chain length k = 1..6 speculating at every width (no gate), and the engine as
+shipped (the policy over the stored calibration). Per width: each choice's tokens/s side
+by side, the best fixed choice in hindsight, and the policy against it and against plain.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from tqdm import tqdm
+
+from ...runtime.params import SamplingParams
+from .. import workload
+
+FIXED_K = (1, 2, 3, 4, 5, 6)
+TEMPERATURES = (0.0, 0.7)  # row i decodes at TEMPERATURES[i % 2]
+
+
+def held_out_prompts(tokenizer, n: int) -> list[list[int]]:
+    """``n`` prompts from the questions calibration does not measure (the second dozen)
+    and the code completions, alternating."""
+    from ...kernels.models import chat_prompt
+    questions = workload.QUESTIONS[12:]
+    texts = []
+    for i in range(n):
+        if i % 2 == 0:
+            question = questions[(i // 2) % len(questions)]
+            texts.append(chat_prompt(tokenizer, question) or question)
+        else:
+            texts.append(workload.CODE[(i // 2) % len(workload.CODE)])
+    return [list(tokenizer.encode(t)) for t in texts]
+
+
+def mixed_tok_s(engine, prompts: list[list[int]], tokens: int) -> float:
+    """Tokens/s of ``engine`` decoding ``tokens`` per prompt, rows at mixed temperatures."""
+    t0 = time.perf_counter()
+    handles = [engine.submit(p, SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i,
+                                               temperature=TEMPERATURES[i % len(TEMPERATURES)]))
+               for i, p in enumerate(prompts)]
+    total = sum(h.result(timeout=3600).usage.completion_tokens for h in handles)
+    return total / (time.perf_counter() - t0)
+
+
+def _engines(ctx) -> dict:
+    widest = max(ctx.widths)
+    engines = {"plain": ctx.engine(speculation=False)}
+    for k in FIXED_K:  # speculating at every width: the gate's cap above the widest
+        engines[f"k={k}"] = ctx.engine(**ctx.always(num_draft_tokens=k, speculative_width_cap=widest))
+    engines["policy"] = ctx.engine()
+    return engines
+
+
+def suite_policy(ctx) -> dict:
+    engines = _engines(ctx)
+    prompts = held_out_prompts(ctx.target.tokenizer, max(ctx.widths))
+    rows = []
+    for width in tqdm(ctx.widths, desc="policy", unit="width"):
+        samples = {name: [] for name in engines}
+        for _ in range(ctx.repeats):  # round-robin: the choices share each moment's noise
+            for name, engine in engines.items():
+                samples[name].append(mixed_tok_s(engine, prompts[:width], ctx.tokens))
+        tok_s = {name: statistics.median(v) for name, v in samples.items()}
+        fixed = {name: v for name, v in tok_s.items() if name != "policy"}
+        best = max(fixed, key=fixed.get)
+        rows.append({"width": width, **{f"{name}_tok_s": v for name, v in tok_s.items()},
+                     "best_fixed": best, "policy_vs_best": tok_s["policy"] / fixed[best],
+                     "policy_vs_plain": tok_s["policy"] / tok_s["plain"]})
+    return {"temperatures": list(TEMPERATURES), "rows": rows}
+
+
+SUITES = {"policy": suite_policy}
