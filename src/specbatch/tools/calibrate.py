@@ -9,7 +9,8 @@ import statistics
 
 from ..runtime.calibration import acceptance_by_position, derive_prior, lookup, machine_key, pair_key, store, store_fields
 from ..runtime.schedule import Band, DraftSchedule
-from .bench.harness import Context, code_prompts, engine_tok_s
+from .bench.harness import Context, acceptance, code_prompts, engine_tok_s
+from .calibrate_cost import cells_from, fit_cost
 from .calibrate_prefill import calibrate_prefill
 from .calibrate_tree import measure_trees, with_tree_depth
 
@@ -33,20 +34,24 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
     plain = ctx.engine(speculation=False)
     spec = {k: ctx.engine(speculative_width_cap=0, num_draft_tokens=k, fixed_draft=True, max_spec_temperature=None)
             for k in ks}
-    bands, table = [], {}
+    bands, table, cell_acceptance = [], {}, {}
     for t in TEMPERATURES:
         row, losing = [], 0
         for width in widths:
             if losing >= 2:
                 break
-            speeds = {}
+            speeds, accepted = {}, {}
             for _ in range(args.repeats):  # round-robin: the systems share each moment's noise
                 for k, engine in [(0, plain), *spec.items()]:
+                    before = engine.stats()
                     speeds.setdefault(k, []).append(engine_tok_s(engine, prompts[:width], args.tokens, temperature=t))
+                    accepted.setdefault(k, []).append(acceptance(before, engine.stats()) if k else 0.0)
             speeds = {k: statistics.median(v) for k, v in speeds.items()}
             row.append(best_k(speeds, args.margin))
             losing = losing + 1 if row[-1] == 0 else 0
             table[f"T={t} width={width}"] = {str(k): round(v, 2) for k, v in speeds.items()}
+            cell_acceptance[f"T={t} width={width}"] = {str(k): round(statistics.median(v), 4)
+                                                       for k, v in accepted.items() if k}
             print(f"T={t:.2f} width {width:3d}: " + ", ".join(f"k={k} {v:.1f}" for k, v in speeds.items())
                   + f" tok/s -> k={row[-1]}", flush=True)
         row += [0] * (len(widths) - len(row))
@@ -55,6 +60,7 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
         bands.append(Band(t, row))
     deepest = spec[max(ks)].stats().get("acceptance_histogram") or {}
     table["acceptance"] = acceptance_by_position(deepest, max(ks))
+    table["cell_acceptance"] = cell_acceptance
     return DraftSchedule(widths, bands), table
 
 
@@ -96,9 +102,11 @@ def run_calibrate(args) -> int:
         path = store_fields(target.name, drafter.name, {"schedule": schedule.to_json(), "cap": schedule.cap(),
                                                         "k": max(1, schedule.max_k()), **extra})
     else:
-        acceptance = table.pop("acceptance")
+        by_position, by_cell = table.pop("acceptance"), table.pop("cell_acceptance")
         prior = derive_prior({"measured_tok_s": table}, lookup(target.name, None, "", dict) or {})
-        extra.update(cost=prior.cost.to_json(), acceptance=acceptance or list(prior.acceptance))
+        cost = fit_cost(cells_from(table, by_cell)) or prior.cost  # the rounds' own times where they suffice
+        extra.update(cost=cost.to_json(), acceptance=by_position or list(prior.acceptance), cell_acceptance=by_cell)
+        print(f"cost model: {cost.to_json()}")
         path = store(target.name, drafter.name, schedule, table, extra)
     print(f"schedule {schedule.to_json()} (chains: {chains.to_json()}), cap = {schedule.cap()}; written to {path} "
           f"for {machine_key()} / {pair_key(target.name, drafter.name)}")
