@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
 from ...runtime.tree_shape import TreeLayout
+from ..cpu import attention as cpu_attention
 from ..cpu import linear as cpu_linear
 from ..kv import RaggedKVCache
 from .base import Capture, Chooser, DraftTree
@@ -82,7 +83,7 @@ class MTPHead(nn.Module):
         keys = mx.concatenate([ctx_keys, *own_keys, k], axis=2)
         values = mx.concatenate([ctx_values, *own_values, v], axis=2)
         mask = mx.concatenate([ctx_mask, mx.ones((B, len(own_keys) + 1), dtype=mx.bool_)], axis=1)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask[:, None, None, :])
+        out = cpu_attention(q, keys, values, attn.scale, mask[:, None, None, :])  # the CPU kernel where it applies
         x = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, 1, -1))
         x = x + self.block.mlp(self.block.post_attention_layernorm(x))
         return self.norm(x)[:, 0], k, v
