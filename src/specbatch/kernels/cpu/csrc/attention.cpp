@@ -10,6 +10,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "pool.h"
+#include "strided.h"
 
 namespace specbatch {
 
@@ -51,8 +52,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
   const int T = slots.shape(1);
   if (mask_kind == "causal" && q.shape(2) > T) throw std::invalid_argument("paged_attention: more queries than keys");
   auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> inputs = {q, mx::contiguous(k_pool, false, s), mx::contiguous(v_pool, false, s),
-                                   mx::contiguous(slots, false, s)};
+  std::vector<mx::array> inputs = {q, k_pool, v_pool, slots};
   if (mask_kind == "array") {
     if (mask.dtype() != mx::bool_ || mask.ndim() != 4 || mask.shape(1) != 1 || mask.shape(2) != q.shape(2) ||
         mask.shape(3) != T || (mask.shape(0) != 1 && mask.shape(0) != q.shape(0)))
@@ -105,9 +105,8 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   if (paged_) {
     const auto& slots = inputs[3];
     a.Hkv = k.shape(1) / a.D, a.T = slots.shape(1);
-    a.k = k.data<float>(), a.v = inputs[2].data<float>();
     a.ks[0] = a.vs[0] = 0, a.ks[1] = a.vs[1] = a.D, a.ks[2] = a.vs[2] = k.shape(1);
-    a.slots = slots.data<int32_t>(), a.slot_stride = slots.shape(1);
+    a.slot_stride = slots.shape(1);
   } else {
     a.Hkv = k.shape(1), a.T = k.shape(2);
   }
@@ -117,12 +116,15 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     a.ms[0] = m.shape(0) == 1 ? 0 : m.strides(0), a.ms[1] = m.strides(2), a.ms[2] = m.strides(3);
   }
   const int64_t pool_rows = paged_ ? k.shape(0) : 0;
-  encoder.dispatch([a, q = inputs[0], k = inputs[1], v = inputs[2], pool_rows]() mutable {
+  const mx::array slots = paged_ ? inputs[3] : mx::array(0);
+  encoder.dispatch([a, q = inputs[0], k = inputs[1], v = inputs[2], slots, pool_rows, paged = paged_]() mutable {
     std::vector<float> qc, kc, vc;
+    std::vector<int32_t> sc;
     a.q = rows_of(q, qc, a.qs);
-    if (a.slots == nullptr) {
+    if (!paged) {
       a.k = rows_of(k, kc, a.ks), a.v = rows_of(v, vc, a.vs);
-    } else if (!slots_in_range(a.slots, static_cast<int64_t>(a.B) * a.T, pool_rows)) {
+    } else if (a.k = row_major(k, kc), a.v = row_major(v, vc), a.slots = row_major(slots, sc);
+               !slots_in_range(a.slots, static_cast<int64_t>(a.B) * a.T, pool_rows)) {
       std::fill(a.out, a.out + static_cast<int64_t>(a.B) * a.Hq * a.L * a.D, std::nanf(""));  // a table bug: NaN, never a stray read
       return;
     }

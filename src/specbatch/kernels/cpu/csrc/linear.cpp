@@ -10,6 +10,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "pool.h"
+#include "strided.h"
 
 namespace specbatch {
 
@@ -45,7 +46,7 @@ mx::array small_linear(const mx::array& x, const mx::array& w) {
   auto shape = x.shape();
   shape.back() = w.shape(0);
   return mx::array(shape, mx::float32, std::make_shared<SmallLinear>(s),
-                   {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
+                   {x, w});
 }
 
 void SmallLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -58,8 +59,11 @@ void SmallLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
   encoder.set_output_array(out);
   const int K = w.shape(1), N = w.shape(0);
   const int M = static_cast<int>(x.size() / std::max(1, K));
-  encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = out.data<float>(), M, K, N]() {
+  encoder.dispatch([x, w, yp = out.data<float>(), M, K, N]() {
     if (M == 0 || N == 0) return;
+    std::vector<float> xc, wc;
+    const float* xp = row_major(x, xc);
+    const float* wp = row_major(w, wc);
     auto kernel = detect_isa() == Isa::avx512 ? gemv_avx512 : gemv_avx2;
     auto& p = pool();
     // contiguous column blocks, a multiple of 16 rows of w each (whole cache lines of y)

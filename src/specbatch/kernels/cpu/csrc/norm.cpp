@@ -9,6 +9,7 @@
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
 #include "pool.h"
+#include "strided.h"
 
 namespace specbatch {
 
@@ -19,7 +20,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
     throw std::invalid_argument("rms_norm: x [..., D] and w [D] expected");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(s, eps),
-                   {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
+                   {x, w});
 }
 
 namespace {
@@ -47,7 +48,10 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   encoder.set_output_array(out);
   const int D = w.shape(0);
   const int64_t rows = D == 0 ? 0 : static_cast<int64_t>(x.size() / D);
-  encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), yp = out.data<float>(), rows, D, eps = eps_]() {
+  encoder.dispatch([x, w, yp = out.data<float>(), rows, D, eps = eps_]() {
+    std::vector<float> xc, wc;
+    const float* xp = row_major(x, xc);
+    const float* wp = row_major(w, wc);
     auto body = [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * D, wp, yp + r * D, D, eps);
     };

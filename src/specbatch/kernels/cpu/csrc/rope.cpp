@@ -9,6 +9,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "pool.h"
+#include "strided.h"
 
 namespace specbatch {
 
@@ -25,7 +26,7 @@ mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& 
     throw std::invalid_argument("rope: positions int32 [1], [B] or [B, L]");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(x.shape(), mx::float32, std::make_shared<RoPE>(s, dims, traditional, scale, inverse),
-                   {x, mx::contiguous(positions, false, s), mx::contiguous(inv_freq, false, s)});
+                   {x, positions, inv_freq});
 }
 
 namespace {
@@ -74,11 +75,14 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
-  Args a{x.data<float>(), pos.data<int>(), inputs[2].data<float>(), out.data<float>(),
+  Args a{x.data<float>(), nullptr, nullptr, out.data<float>(),
          x.shape(0), x.shape(1), x.shape(2), x.shape(3), dims_ / 2, {}, pos.ndim() == 1 && pos.shape(0) > 1,
          pos.ndim() == 2, traditional_, inverse_, scale_};
   for (int i = 0; i < 4; ++i) a.xs[i] = x.strides(i);
-  encoder.dispatch([a]() {
+  encoder.dispatch([a, pos, inv = inputs[2]]() mutable {
+    std::vector<int> pc;
+    std::vector<float> ic;
+    a.pos = row_major(pos, pc), a.inv = row_major(inv, ic);
     const int64_t tokens = static_cast<int64_t>(a.B) * a.L;
     auto body = [&](int64_t t0, int64_t t1) {
       std::vector<float> cs(2 * a.half);
