@@ -5,7 +5,10 @@
 namespace specbatch {
 namespace {
 
-constexpr int kPrefetch = 1024;  // floats
+// Prefetch the weights kAheadTiles tiles ahead, the line each row of that tile reads at this k:
+// exactly the lines later tiles consume. A/B on a loaded machine, against 4 KB ahead in each
+// row: M=1 5%, M=4 10-20%, M=8 8-22% faster (4 and 8 tiles alike; 1 and 2 less).
+constexpr int kAheadTiles = 4;
 
 // Lanes [0, r) of a tail load; the masked load never touches memory past K.
 __attribute__((target("avx2,fma"))) inline __m256i tail_mask(int r) {
@@ -31,8 +34,7 @@ __attribute__((target("avx2,fma"))) void tile(const float* x, int K, const float
     __m256 wv[NB];
     for (int i = 0; i < NB; ++i) {
       wv[i] = _mm256_loadu_ps(w + (long)i * K + k);
-      // 4 KB ahead in each weight row: the streams stay ahead at 2-8 rows (measured 13.1 -> 10.7 ms at M=4)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (long)i * K + k + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (long)(NB * kAheadTiles + i) * K + k), _MM_HINT_T0);
     }
     for (int j = 0; j < MB; ++j) {
       __m256 xv = _mm256_loadu_ps(x + (long)j * K + k);
