@@ -187,7 +187,7 @@ def _measuring_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks side by side with mlx-lm")
     b.add_argument("--suite", default="kernels,plain,scalar,widths,transitions,memory,serving,drafters,sharded,long_prompts",
                    help="comma list of: plain, scalar, widths, transitions, memory, serving, drafters, sharded, "
-                        "long_prompts, memory_layout, prefix_cache, trees (chain vs tree drafting at width 1; not in "
+                        "long_prompts, memory_layout, prefix_cache, policy (the policy against every fixed chain on held-out mixed rows), trees (chain vs tree drafting at width 1; not in "
                         "the default list)")
     b.add_argument("--long-prompt-tokens", type=int, default=2000, help="long_prompts: tokens per arriving prompt")
     b.add_argument("--long-arrivals", type=int, default=2, help="long_prompts: prompts arriving while streams decode")
