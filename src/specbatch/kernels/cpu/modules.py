@@ -12,7 +12,6 @@ table in place; the gathered view the cache returned stays lazy and is never com
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 
