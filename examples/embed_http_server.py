@@ -13,7 +13,7 @@ import argparse
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from specbatch import Engine, InvalidRequest, SamplingParams
+from specbatch import Engine, InvalidRequest, SamplingParams, from_pretrained
 
 
 def make_handler(engine: Engine):
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8100)
     ap.add_argument("--model", default=None)
     args = ap.parse_args()
-    with Engine.from_pretrained(args.model) as engine:
+    with from_pretrained(args.model) as engine:
         ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(engine)).serve_forever()
 
 

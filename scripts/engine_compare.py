@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import drafter_common as dc  # noqa: E402
 
-from specbatch import Engine, SamplingParams  # noqa: E402
+from specbatch import SamplingParams, from_pretrained  # noqa: E402
 
 
 def one(engine, prompt, max_tokens, temperature, seed):
@@ -67,8 +67,8 @@ def main() -> None:
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
                for p in dc.heldout_prompts()["chat"][:args.n]]
     del target
-    with Engine.from_pretrained(speculation=False) as plain, \
-            Engine.from_pretrained(draft_model=args.draft_model, drafter=args.drafter, num_draft_tokens=args.k,
+    with from_pretrained(speculation=False) as plain, \
+            from_pretrained(draft_model=args.draft_model, drafter=args.drafter, num_draft_tokens=args.k,
                                    speculative_width_cap=1, max_spec_temperature=None,
                                    fixed_draft=True, tree_shape=args.tree, tree_max_temperature=None) as spec:
         for engine in (plain, spec):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import attrs
 
-from specbatch.kernels.build import make_drafter
+from specbatch.kernels.build import make_drafter, new_core
 from specbatch.kernels.loops.batch import BatchLoop
 from specbatch.kernels.loops.scalar import ScalarLoop
+from specbatch.kernels.paged_kv import KVLayout
 from specbatch.kernels.runner import ModelRunner
 from specbatch.runtime.core import StepEvent
 from specbatch.runtime.params import SamplingParams
@@ -62,9 +63,8 @@ def run_batch(target, drafter, prompts, k=4, verify="coupled", armed=True, param
     """Decode ``prompts`` in one batch loop; ``together``: one left-padded prefill; ``tree``:
     a ``BatchTree``; ``check(loop)`` after every armed round."""
     runner = ModelRunner(target.model)
-    if kv_layout:
-        runner.kv_layout = kv_layout
-    loop = BatchLoop(runner, make_drafter(drafter, runner, True) if drafter else None, verify)
+    loop = BatchLoop(runner, make_drafter(drafter, runner, True) if drafter else None, verify,
+                     KVLayout(kv_layout or "paged"))
     requests = [make_request(target, p, **(params[i] if params else {})) for i, p in enumerate(prompts)]
     if together:
         loop.admit_many(requests)
@@ -149,10 +149,9 @@ def drive(core, arrivals: dict | None = None, cancels: dict | None = None, run: 
 def plain_streams(target, jobs) -> list[list[int]]:
     """Each ``(prompt, params)`` job decoded alone with speculation off."""
     from specbatch.runtime.config import EngineConfig
-    from specbatch.runtime.core import EngineCore
 
     out = []
-    with EngineCore(target, None, EngineConfig(speculation=False)) as core:
+    with new_core(target, None, EngineConfig(speculation=False)) as core:
         for job in jobs:
             run, (rid,) = drive(core, {0: [job]})
             out.append(run.tokens[rid])

@@ -18,6 +18,7 @@ from specbatch import EngineCore, SamplingParams
 from specbatch.runtime.config import EngineConfig
 from specbatch.testing.fake import FakeModel
 from specbatch.kernels.models import LoadedModel
+from specbatch.kernels.build import new_core
 
 CHUNK = 8
 
@@ -77,7 +78,7 @@ class Stepper:
 def alone(target, jobs, **kw) -> list[list[int]]:
     """Each job decoded alone, plain, with the same chunk size (the same prefill forwards)."""
     out = []
-    with EngineCore(target, None, config(speculation=False, **kw)) as core:
+    with new_core(target, None, config(speculation=False, **kw)) as core:
         for job in jobs:
             run, (rid,) = drive(core, {0: [job]})
             out.append(run.tokens[rid])
@@ -90,7 +91,7 @@ def test_a_scalar_stream_speculates_until_the_long_arrival_is_ready(fake, live_p
     them); the preempt comes the step after the last chunk."""
     target, oracle = fake
     jobs = [(prompt(5), live_params), (prompt(30, salt=1), greedy(12))]
-    with EngineCore(target, oracle, config()) as core:
+    with new_core(target, oracle, config()) as core:
         s = Stepper(core)
         live = s.add(jobs[0])
         assert s.step() == "Scalar" and s.step() == "Scalar"
@@ -116,7 +117,7 @@ def test_a_scalar_stream_speculates_until_the_long_arrival_is_ready(fake, live_p
 def test_without_chunking_the_arrival_preempts_at_once_and_prefills_whole(fake):
     target, oracle = fake
     jobs = [(prompt(5), greedy(40)), (prompt(30, salt=1), greedy(12))]
-    with EngineCore(target, oracle, config(chunked_prefill=False)) as core:
+    with new_core(target, oracle, config(chunked_prefill=False)) as core:
         s = Stepper(core)
         s.add(jobs[0])
         s.step(), s.step()
@@ -129,7 +130,7 @@ def test_without_chunking_the_arrival_preempts_at_once_and_prefills_whole(fake):
 def test_a_speculating_batch_keeps_speculating_and_the_arrival_joins_armed(fake):
     target, oracle = fake
     jobs = [(prompt(5), greedy(50)), (prompt(6, salt=2), seeded(50)), (prompt(20, salt=1), seeded(10, 9))]
-    with EngineCore(target, oracle, config(speculative_width_cap=3)) as core:
+    with new_core(target, oracle, config(speculative_width_cap=3)) as core:
         s = Stepper(core)
         a, b = s.add(jobs[0]), s.add(jobs[1])
         assert [s.step() for _ in range(3)] == ["Batched"] * 3  # start, capture, a verify round
@@ -147,7 +148,7 @@ def test_a_speculating_batch_keeps_speculating_and_the_arrival_joins_armed(fake)
 def test_a_batch_gates_only_when_the_arrival_is_ready(fake):
     target, oracle = fake
     jobs = [(prompt(5), greedy(40)), (prompt(6, salt=2), greedy(40)), (prompt(20, salt=1), greedy(10))]
-    with EngineCore(target, oracle, config()) as core:
+    with new_core(target, oracle, config()) as core:
         s = Stepper(core)
         s.add(jobs[0]), s.add(jobs[1])
         assert [s.step() for _ in range(2)] == ["Batched"] * 2
@@ -162,7 +163,7 @@ def test_a_batch_gates_only_when_the_arrival_is_ready(fake):
 def test_a_gated_batch_keeps_decoding_plain_while_the_arrival_prefills(fake):
     target, oracle = fake
     jobs = [(prompt(5), greedy(40)), (prompt(6, salt=2), seeded(40)), (prompt(20, salt=1), greedy(10))]
-    with EngineCore(target, oracle, config(speculative_width_cap=1)) as core:
+    with new_core(target, oracle, config(speculative_width_cap=1)) as core:
         s = Stepper(core)
         a, b = s.add(jobs[0]), s.add(jobs[1])
         assert [s.step() for _ in range(2)] == ["Gated"] * 2
@@ -179,7 +180,7 @@ def test_while_rows_decode_admission_prefills_at_most_a_chunk_a_step(fake):
     target, oracle = fake
     jobs = [(prompt(5), greedy(30)), (prompt(6, salt=2), greedy(30))]
     jobs += [(prompt(6, salt=10 + i), greedy(8)) for i in range(3)]  # 6 + 6 > CHUNK
-    with EngineCore(target, oracle, config(speculative_width_cap=1)) as core:
+    with new_core(target, oracle, config(speculative_width_cap=1)) as core:
         s = Stepper(core)
         s.add(jobs[0]), s.add(jobs[1])
         s.step(), s.step()
@@ -196,7 +197,7 @@ def test_while_rows_decode_admission_prefills_at_most_a_chunk_a_step(fake):
 def test_cancelling_a_long_arrival_mid_prefill_drops_its_partial_kv(fake):
     target, oracle = fake
     jobs = [(prompt(5), greedy(30)), (prompt(40, salt=1), greedy(10))]
-    with EngineCore(target, oracle, config()) as core:
+    with new_core(target, oracle, config()) as core:
         s = Stepper(core)
         s.add(jobs[0])
         s.step(), s.step()
@@ -215,7 +216,7 @@ def test_cancelling_a_long_arrival_mid_prefill_drops_its_partial_kv(fake):
 def test_a_scalar_stream_that_ends_mid_prefill_hands_over_to_the_arrival(fake):
     target, oracle = fake
     jobs = [(prompt(5), greedy(4)), (prompt(60, salt=1), seeded(12))]
-    with EngineCore(target, oracle, config()) as core:
+    with new_core(target, oracle, config()) as core:
         s = Stepper(core)
         s.add(jobs[0])
         s.step()
@@ -228,7 +229,7 @@ def test_a_scalar_stream_that_ends_mid_prefill_hands_over_to_the_arrival(fake):
 def test_a_failing_chunk_fails_only_its_arrival(fake):
     target, oracle = fake
     jobs = [(prompt(5), greedy(30)), (prompt(30, salt=1), greedy(10))]
-    with EngineCore(target, oracle, config()) as core:
+    with new_core(target, oracle, config()) as core:
         s = Stepper(core)
         live = s.add(jobs[0])
         s.step()
@@ -259,7 +260,7 @@ def test_tiny_models_stream_equal_alone_through_a_chunked_preempt(tiny, drafter)
         source = tiny  # drafting for itself
     jobs = [("def f(x):", seeded(40, 1)), (" ".join(f"x{i} = {i}" for i in range(12)), greedy(10)),
             ("import os\n", greedy(8))]
-    with EngineCore(tiny, source, config(speculative_width_cap=3)) as core:
+    with new_core(tiny, source, config(speculative_width_cap=3)) as core:
         s = Stepper(core)
         s.add(jobs[0])
         s.step(), s.step()
@@ -278,7 +279,7 @@ def test_calibration_picks_the_largest_chunk_within_the_gap_and_load_pair_uses_i
     import argparse
 
     from specbatch.tools.calibrate_prefill import calibrate_prefill, measure_chunks, pick_chunk
-    from specbatch.runtime.config import load_pair
+    from specbatch.kernels.pair import load_pair
     from specbatch.kernels.runner import ModelRunner
 
     times = {16: 0.05, 32: 0.08, 64: 0.15, 128: 0.3}
@@ -314,7 +315,7 @@ def test_a_long_arrival_starts_prefilling_only_within_the_kv_budget(tiny, fits):
     live_job, long_job = (prompt(5), greedy(12)), (prompt(40, salt=2), greedy(4))
     reserve = lambda job: (len(job[0]) + job[1].max_tokens + 3 + 1) * per_token  # noqa: E731
     budget = reserve(live_job) + (reserve(long_job) if fits else reserve(long_job) // 2)
-    with EngineCore(tiny, None, config(speculation=False, kv_budget_bytes=budget)) as core:
+    with new_core(tiny, None, config(speculation=False, kv_budget_bytes=budget)) as core:
         s = Stepper(core)
         live = s.add(live_job)
         s.step()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from helpers import Run, drive, inject_failure, plain_streams
 
-from specbatch import EngineClosed, EngineCore, InvalidRequest, QueueFull, SamplingParams, StepEvent
+from specbatch import EngineClosed, InvalidRequest, QueueFull, SamplingParams, StepEvent
 from specbatch.runtime.config import EngineConfig
+from specbatch.kernels.build import from_pretrained, new_core
 
 
 def greedy(n: int) -> SamplingParams:
@@ -15,7 +16,7 @@ def greedy(n: int) -> SamplingParams:
 
 @pytest.fixture
 def plain(tiny):
-    with EngineCore(tiny, None, EngineConfig(speculation=False)) as core:
+    with new_core(tiny, None, EngineConfig(speculation=False)) as core:
         yield core
 
 
@@ -56,7 +57,7 @@ def test_events_carry_each_step_and_the_last_one_the_result(plain, tiny):
 
 def test_a_step_runs_at_most_one_round(tiny):
     """Through preempt, gate, re-arm and drain: each step adds 0 or 1 to the round count."""
-    with EngineCore(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2)) as core:
+    with new_core(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2)) as core:
         core.add("def f(x):", greedy(40))
         rounds = [0]
         for i in range(10_000):
@@ -126,7 +127,7 @@ def test_prompt_over_the_context_names_its_code(plain, tiny):
 
 
 def test_queue_full_counts_added_and_waiting_requests(tiny):
-    with EngineCore(tiny, None, EngineConfig(speculation=False, max_queue=2)) as core:
+    with new_core(tiny, None, EngineConfig(speculation=False, max_queue=2)) as core:
         core.add("a", greedy(2)), core.add("b", greedy(2))
         with pytest.raises(QueueFull):
             core.add("c", greedy(2))
@@ -136,7 +137,7 @@ def test_queue_full_counts_added_and_waiting_requests(tiny):
 
 
 def test_a_failing_round_fails_its_rows_and_the_core_steps_on(tiny):
-    with EngineCore(tiny, None, EngineConfig(speculation=False)) as core:
+    with new_core(tiny, None, EngineConfig(speculation=False)) as core:
         inject_failure(core, at_call=5)
         run, (victim,) = drive(core, {0: [("def f(x):", greedy(30))]})
         assert run.finals[victim].finish_reason == "error" and "injected" in run.finals[victim].error
@@ -157,7 +158,7 @@ def test_close_cancels_in_flight_work_and_refuses_more(plain):
 
 
 def test_close_with_drain_finishes_the_work(tiny):
-    core = EngineCore(tiny, None, EngineConfig(speculation=False))
+    core = new_core(tiny, None, EngineConfig(speculation=False))
     rids = [core.add("a = 1", greedy(7)), core.add("b = 2", greedy(4))]
     core.step()
     run = Run()
@@ -167,19 +168,19 @@ def test_close_with_drain_finishes_the_work(tiny):
 
 
 def test_from_pretrained_takes_the_engines_arguments(model_dir):
-    core = EngineCore.from_pretrained(str(model_dir["llama"]), str(model_dir["draft"]),
-                                      speculative_width_cap=1, num_draft_tokens=2)
+    core = from_pretrained(str(model_dir["llama"]), str(model_dir["draft"]), core=True,
+                           speculative_width_cap=1, num_draft_tokens=2)
     with core:
         assert core.config.speculative_width_cap == 1 and core.config.num_draft_tokens == 2
-        assert core.drafter is not None
+        assert core.kernels.drafter is not None
         run, (rid,) = drive(core, {0: [("def f(x):", greedy(6))]})
         assert run.path == ["Scalar", "Idle"] and len(run.tokens[rid]) == 6
-    off = EngineCore.from_pretrained(str(model_dir["llama"]), speculation=False)
-    assert off.drafter is None and off.close() == []
+    off = from_pretrained(str(model_dir["llama"]), core=True, speculation=False)
+    assert off.kernels.drafter is None and off.close() == []
 
 
 def test_max_model_len_bounds_prompt_and_budget(tiny):
-    with EngineCore(tiny, None, EngineConfig(speculation=False, max_model_len=40)) as core:
+    with new_core(tiny, None, EngineConfig(speculation=False, max_model_len=40)) as core:
         assert core.context_length == 40 < tiny.context_length
         with pytest.raises(InvalidRequest, match="prompt has 40 tokens; --max-model-len is 40") as info:
             core.add([5] * 40)
@@ -194,7 +195,7 @@ def test_max_model_len_bounds_prompt_and_budget(tiny):
 def test_a_row_finishing_in_a_verify_round_reports_that_round(tiny):
     """The completion is taken after the round is recorded: its spec stats include it."""
     config = EngineConfig(num_draft_tokens=3, speculative_width_cap=4, fixed_draft=True)
-    with EngineCore(tiny, tiny, config) as core:
+    with new_core(tiny, tiny, config) as core:
         rids = [core.add("def f(x):", greedy(14)), core.add("x = 1", greedy(14))]
         run, rounds_at_finish = Run(), {}
         while core.has_work():
@@ -220,7 +221,7 @@ def test_each_kv_layout_speculates_in_a_batch_equal_to_plain(tiny, layout):
     jobs = [(p, SamplingParams(max_tokens=20, ignore_eos=True, temperature=t, seed=3))
             for p, t in [("def f(x):", 0.0), ("x = 1", 0.8), ("import os", 0.0)]]
     config = EngineConfig(speculative_width_cap=0, num_draft_tokens=3, kv_layout=layout)
-    with EngineCore(tiny, tiny, config) as core:
+    with new_core(tiny, tiny, config) as core:
         run, ids = drive(core, {0: jobs})
         assert core.stats()["spec_rounds"] > 0
     assert [run.tokens[i] for i in ids] == plain_streams(tiny, jobs)

@@ -14,8 +14,8 @@ from pathlib import Path
 import dist_rank
 import pytest
 
-from specbatch import Engine
 from specbatch.runtime.config import EngineConfig
+from specbatch.kernels.build import new_engine
 
 RANK = Path(__file__).with_name("dist_rank.py")
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def launch(out: Path, model_dir, verify: str) -> dict:
 
 
 def single_process(tiny, tiny_draft, verify: str) -> dict:
-    with Engine(tiny, tiny_draft, EngineConfig(**dist_rank.config(verify))) as engine:
+    with new_engine(tiny, tiny_draft, EngineConfig(**dist_rank.config(verify))) as engine:
         return dist_rank.run_schedules(engine)
 
 

@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from specbatch import Engine, InvalidRequest, SamplingParams
+from specbatch import InvalidRequest, SamplingParams
 from specbatch.runtime.config import EngineConfig
+from specbatch.kernels.build import new_engine
 
 PROMPTS = ["def f(x):", "import os\nimport sys\n", "class A:\n    pass\n" * 3, "x = 1", "# comment\n" * 9,
            "return", "for i in range(10):\n    print(i)\n", "while True:"]
@@ -17,7 +18,7 @@ PROMPTS = ["def f(x):", "import os\nimport sys\n", "class A:\n    pass\n" * 3, "
 
 @pytest.fixture
 def plain(tiny):
-    with Engine(tiny, None, EngineConfig(speculation=False)) as engine:
+    with new_engine(tiny, None, EngineConfig(speculation=False)) as engine:
         yield engine
 
 
@@ -135,7 +136,7 @@ def test_threads_submit_concurrently(plain):
 def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(tiny):
     from helpers import inject_failure
 
-    with Engine(tiny, None, EngineConfig(speculation=False)) as engine:
+    with new_engine(tiny, None, EngineConfig(speculation=False)) as engine:
         inject_failure(engine, at_call=5)
         victim = engine.submit("def f(x):", SamplingParams(max_tokens=30, ignore_eos=True)).result(30)
         assert victim.finish_reason == "error" and "injected" in victim.error
@@ -146,7 +147,7 @@ def test_a_failing_round_fails_its_rows_and_the_engine_serves_on(tiny):
 def test_kv_budget_makes_admission_wait(tiny):
     from specbatch.kernels.models import kv_bytes_per_token
     per_row = (8 + 20 + 5) * kv_bytes_per_token(tiny.model)
-    with Engine(tiny, None, EngineConfig(speculation=False, kv_budget_bytes=int(per_row * 2.5))) as engine:
+    with new_engine(tiny, None, EngineConfig(speculation=False, kv_budget_bytes=int(per_row * 2.5))) as engine:
         handles = [engine.submit([5] * 8, SamplingParams(max_tokens=20, ignore_eos=True)) for _ in range(6)]
         widths = set()
         while not all(h.done for h in handles):
@@ -155,7 +156,7 @@ def test_kv_budget_makes_admission_wait(tiny):
 
 
 def test_submit_many_arrives_as_one_burst(tiny):
-    with Engine(tiny, tiny, EngineConfig(num_draft_tokens=2, speculative_width_cap=2)) as engine:
+    with new_engine(tiny, tiny, EngineConfig(num_draft_tokens=2, speculative_width_cap=2)) as engine:
         handles = engine.submit_many(["a = 1", "b = 2", "c = 3"], SamplingParams(max_tokens=4, seed=1))
         assert all(len(h.result(30).token_ids) <= 4 for h in handles)
         deadline = time.time() + 10

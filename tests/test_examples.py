@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from specbatch import Engine
 from specbatch.runtime.config import EngineConfig
+from specbatch.kernels.build import new_engine
 
 
 def test_http_server_example(tiny):
@@ -19,7 +19,7 @@ def test_http_server_example(tiny):
     spec = importlib.util.spec_from_file_location("embed_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    with Engine(tiny, tiny, EngineConfig(num_draft_tokens=2)) as engine:
+    with new_engine(tiny, tiny, EngineConfig(num_draft_tokens=2)) as engine:
         server = ThreadingHTTPServer(("127.0.0.1", 0), module.make_handler(engine))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         try:

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import KVCache
 
 from specbatch.kernels.kv import BatchKV, RaggedKVCache, check_supported
 from specbatch.kernels.paged_kv import batch_kv
+from specbatch.kernels.build import new_engine
 
 
 def alone_logits(model, tokens: list[int], n: int) -> mx.array:
@@ -166,10 +167,10 @@ def test_paged_allocation_close_to_need(tiny):
 def test_engine_with_8bit_kv_serves_a_speculating_batch(tiny, tiny_draft):
     """kv_bits=8 end to end: a speculating batch (per-row rollback every round) completes
     every request; its batch KV is the 8-bit paged cache."""
-    from specbatch import Engine, SamplingParams
+    from specbatch import SamplingParams
     from specbatch.runtime.config import EngineConfig
 
-    with Engine(tiny, tiny_draft, EngineConfig(num_draft_tokens=3, speculative_width_cap=0, kv_bits=8)) as engine:
+    with new_engine(tiny, tiny_draft, EngineConfig(num_draft_tokens=3, speculative_width_cap=0, kv_bits=8)) as engine:
         handles = [engine.submit(list(range(5, 5 + n)), SamplingParams(max_tokens=12, ignore_eos=True, seed=i))
                    for i, n in enumerate([9, 30, 17, 4])]
         results = [h.result(timeout=120) for h in handles]

@@ -18,7 +18,9 @@ LAYERS = ("runtime", "kernels", "serving", "tools", "testing")
 # The machine and the data it reads: no MLX, no kernel (the chart tool and other servers'
 # schedulers load them without MLX).
 PURE = {"machine", "scheduler", "plan", "request", "output", "params", "schedule", "stats", "detok", "tree_shape",
-        "policy", "admission"}
+        "policy", "admission", "config"}
+# The composition root: it alone builds the engine (and its core) over the kernels.
+ROOT = "specbatch.kernels.build"
 
 
 def module_name(path: Path) -> str:
@@ -126,10 +128,21 @@ def test_the_machine_and_its_data_import_no_mlx_and_no_kernel(graph):
         assert deps <= pure | {"specbatch.errors", "specbatch.runtime"}, f"{module}: {sorted(deps - pure)}"
 
 
+def test_the_runtime_imports_no_mlx_and_no_kernel(graph):
+    """The whole runtime, the core and the engine thread included: kernels are handed in."""
+    runtime = [m for m in graph if layer(m) == "runtime" or m == "specbatch.runtime"]
+    assert "specbatch.runtime.core" in runtime and "specbatch.runtime.engine" in runtime
+    for module in runtime:
+        deps = graph[module]
+        assert "mlx" not in deps, module
+        bad = sorted(d for d in deps if layer(d) == "kernels")
+        assert not bad, f"{module} imports {bad}"
+
+
 def test_kernels_read_only_the_cores_data(graph):
     pure = {f"specbatch.runtime.{m}" for m in PURE}
     for module, deps in graph.items():
-        if layer(module) == "kernels":
+        if layer(module) == "kernels" and module != ROOT:
             bad = sorted(d for d in deps if layer(d) == "runtime" and d not in pure)
             assert not bad, f"{module} imports {bad}"
 

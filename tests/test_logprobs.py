@@ -17,8 +17,8 @@ from specbatch.kernels.loops.batch import BatchLoop
 from specbatch.kernels.loops.scalar import ScalarLoop
 from specbatch.kernels.runner import ModelRunner
 from specbatch.runtime.config import EngineConfig
-from specbatch.runtime.core import EngineCore
 from specbatch.runtime.params import SamplingParams
+from specbatch.kernels.build import new_core
 
 TOL = 1e-4
 PROMPTS = ["def f(x):", "import os\n", "class A:", "x = [1, 2"]
@@ -40,7 +40,7 @@ def completions(target, drafter, config, jobs, at=None) -> list:
     arrivals: dict = {}
     for i, job in enumerate(jobs):
         arrivals.setdefault(at[i] if at else 0, []).append(job)
-    with EngineCore(target, drafter, config) as core:
+    with new_core(target, drafter, config) as core:
         run, ids = drive(core, arrivals)
     return [run.finals[rid].completion for rid in ids]
 

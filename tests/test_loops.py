@@ -97,11 +97,12 @@ def test_stops_inside_an_accepted_run(tiny):
     # stop strings are the core's (output.Delivery): through the scalar loop and the batch
     from helpers import drive
 
-    from specbatch import EngineCore, SamplingParams
+    from specbatch import SamplingParams
+    from specbatch.kernels.build import new_core
     from specbatch.runtime.config import EngineConfig
     params = SamplingParams(seed=0, max_tokens=40, stop=[stop], ignore_eos=True)
     for burst in (1, 2):
-        with EngineCore(tiny, tiny, EngineConfig(num_draft_tokens=8, speculative_width_cap=4)) as core:
+        with new_core(tiny, tiny, EngineConfig(num_draft_tokens=8, speculative_width_cap=4)) as core:
             run, ids = drive(core, {0: [("def f(x):", params)] * burst})
         assert run.path == (["Scalar", "Idle"] if burst == 1 else ["Batched", "Idle"])
         for rid in ids:

@@ -13,9 +13,11 @@ import pytest
 from helpers import Run, drive, plain_streams
 
 from specbatch import EngineCore, SamplingParams
-from specbatch.runtime.config import EngineConfig, check_cap, load_pair
+from specbatch.kernels.pair import load_pair
+from specbatch.runtime.config import EngineConfig, check_cap
 from specbatch.runtime.machine import STATES, TRANSITIONS
 from specbatch.tools.statechart import CHART, render
+from specbatch.kernels.build import new_core
 
 EDGES = {f"{s}->{d}" for _, src, d, *_ in TRANSITIONS for s in (src if isinstance(src, list) else [src])}
 LONG = "def f(x):"
@@ -27,7 +29,7 @@ def greedy(n: int) -> SamplingParams:
 
 def spec_core(tiny, **config) -> EngineCore:
     """The tiny model drafting for itself: acceptance is high, so every edge is cheap."""
-    return EngineCore(tiny, tiny, EngineConfig(num_draft_tokens=3, **config))
+    return new_core(tiny, tiny, EngineConfig(num_draft_tokens=3, **config))
 
 
 def step(core: EngineCore, run: Run) -> str:

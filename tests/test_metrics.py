@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from specbatch import EngineCore, SamplingParams
+from specbatch import SamplingParams
 from specbatch.kernels.models import LoadedModel
 from specbatch.runtime.config import EngineConfig
 from specbatch.serving.http.metrics import render_metrics
 from specbatch.testing.fake import FakeModel
+from specbatch.kernels.build import new_core
 
 
 def test_metrics_show_an_arrival_prefilling_between_rounds(tiny):
     target = LoadedModel(FakeModel(), tiny.tokenizer, "fake-target", 4096)
     config = EngineConfig(num_draft_tokens=3, prefill_chunk=8, prompt_cache_bytes=0, speculation=False)
-    with EngineCore(target, None, config) as core:
+    with new_core(target, None, config) as core:
         core.add([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True))
         core.step()
         core.add(list(range(3, 33)), SamplingParams(max_tokens=4, ignore_eos=True))

@@ -9,13 +9,14 @@ from helpers import make_request, run_batch, run_plain, run_scalar
 from specbatch.runtime.policy import Decision
 from test_properties import run_schedules
 
-from specbatch import Engine, SamplingParams
+from specbatch import SamplingParams
 from specbatch.kernels.drafters.mtp import MTPDrafter, MTPHead, save_head
 from specbatch.kernels.drafters.mtp_checkpoint import load_head
 from specbatch.kernels.loops.batch import BatchLoop
 from specbatch.kernels.loops.scalar import ScalarLoop
 from specbatch.kernels.runner import ModelRunner
 from specbatch.runtime.config import EngineConfig
+from specbatch.kernels.build import new_engine
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    pass\n", "x = 1", "# c\n" * 4]
 
@@ -59,7 +60,7 @@ def test_mtp_through_the_engine_and_random_schedules(tiny, head):
     jobs += [(f"y = {i}", SamplingParams(max_tokens=5, ignore_eos=True)) for i in range(3)]
     ref = [run_plain(tiny, p, max_tokens=sp.max_tokens, temperature=sp.temperature, seed=sp.seed,
                      ignore_eos=True) for p, sp in jobs]
-    with Engine(tiny, head, EngineConfig(num_draft_tokens=3, speculative_width_cap=2, rearm_min_remaining=4)) as eng:
+    with new_engine(tiny, head, EngineConfig(num_draft_tokens=3, speculative_width_cap=2, rearm_min_remaining=4)) as eng:
         first = eng.submit(*jobs[0])
         next(iter(first))
         rest = [eng.submit(p, sp) for p, sp in jobs[1:]]

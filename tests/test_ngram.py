@@ -8,10 +8,11 @@ from helpers import run_batch, run_plain, run_scalar
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specbatch import Engine, SamplingParams
+from specbatch import SamplingParams
 from specbatch.kernels.drafters.base import Capture
 from specbatch.kernels.drafters.ngram import NGramDrafter, NGramSource, propose
 from specbatch.runtime.config import EngineConfig
+from specbatch.kernels.build import new_engine
 
 PROMPTS = ["def f(x):\n    return x\ndef f(x):\n", "import os\nimport os\nimport", "x = 1", "a b a b a b"]
 
@@ -56,7 +57,7 @@ def test_ngram_streams_equal_plain(tiny, k):
 
 def test_engine_with_ngram_drafter(tiny):
     config = EngineConfig(num_draft_tokens=3, speculative_width_cap=4)
-    with Engine(tiny, NGramSource(tiny.vocab_size), config) as engine:
+    with new_engine(tiny, NGramSource(tiny.vocab_size), config) as engine:
         handles = [engine.submit(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS]
         out = [h.result(timeout=120).token_ids for h in handles]
         assert engine.stats()["drafted_tokens"] > 0

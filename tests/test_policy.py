@@ -9,7 +9,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specbatch.runtime.calibration import SHIPPED, acceptance_by_position, derive_prior
+from specbatch.kernels.calibration import SHIPPED, acceptance_by_position, derive_prior
 from specbatch.runtime.params import SamplingParams
 from specbatch.runtime.policy import PLAIN, AcceptanceBook, CostModel, Decision, Prior, RowState, SpecPolicy
 from specbatch.runtime.tree_shape import BatchTree, TreeShape

@@ -18,6 +18,7 @@ from specbatch.kernels.models import LoadedModel
 from specbatch.runtime.config import EngineConfig
 from specbatch.runtime.machine import STATES, TRANSITIONS
 from specbatch.testing.fake import FakeModel
+from specbatch.kernels.build import new_core
 
 EDGES = {f"{s}->{d}" for _, src, d, *_ in TRANSITIONS for s in (src if isinstance(src, list) else [src])}
 
@@ -39,7 +40,7 @@ class Schedules(RuleBasedStateMachine):
         self.cap, self.verify, self.chunk = cap, verify, chunk
         config = EngineConfig(num_draft_tokens=k, speculative_width_cap=cap, preempt=preempt,
                               resume=resume, rearm_min_remaining=3, verify=verify, prefill_chunk=chunk)
-        self.core = EngineCore(self.target, self.drafters[drafter], config)
+        self.core = new_core(self.target, self.drafters[drafter], config)
 
     @rule(length=st.integers(1, 24), budget=st.integers(1, 24), temperature=st.sampled_from([0.0, 0.0, 0.8, 1.0]),
           top_p=st.sampled_from([1.0, 0.9]), seed=st.integers(0, 2**32 - 1), salt=st.integers(0, 400))

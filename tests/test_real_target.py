@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from specbatch import EngineCore, SamplingParams
+from specbatch import SamplingParams
 from specbatch.kernels.models import ModelNotFound, embedded_target, load
 from specbatch.kernels.models import chat_prompt as chat
 from specbatch.runtime.config import EngineConfig
+from specbatch.kernels.build import new_core, new_engine
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def run(core, jobs):
 
 
 def test_greedy_chat_answer_names_canberra(smol):
-    with EngineCore(smol, None, EngineConfig(speculation=False)) as core:
+    with new_core(smol, None, EngineConfig(speculation=False)) as core:
         [ids] = run(core, [(chat(smol.tokenizer, QUESTIONS[0]), SamplingParams(max_tokens=24, temperature=0))])
     assert "Canberra" in smol.tokenizer.decode(ids)
     assert ids[-1] in smol.tokenizer.eos_token_ids  # stops at its end-of-turn token
@@ -46,10 +47,10 @@ def test_prompt_lookup_speculation_equals_plain_alone_and_batched(smol, temperat
     from specbatch.kernels.drafters.ngram import NGramSource
     jobs = [(chat(smol.tokenizer, q), SamplingParams(max_tokens=40, temperature=temperature, seed=7 + i))
             for i, q in enumerate(QUESTIONS)]
-    with EngineCore(smol, None, EngineConfig(speculation=False)) as plain:
+    with new_core(smol, None, EngineConfig(speculation=False)) as plain:
         ref = run(plain, jobs)
     drafter = NGramSource(smol.vocab_size)
-    with EngineCore(smol, drafter, EngineConfig(speculative_width_cap=0, num_draft_tokens=4)) as spec:
+    with new_core(smol, drafter, EngineConfig(speculative_width_cap=0, num_draft_tokens=4)) as spec:
         alone = [run(spec, [job])[0] for job in jobs]
         batched = run(spec, jobs)
         assert spec.stats()["spec_rounds"] > 0
@@ -59,8 +60,7 @@ def test_prompt_lookup_speculation_equals_plain_alone_and_batched(smol, temperat
 def test_chat_endpoint_uses_the_template_and_stops_at_end_of_turn(smol):
     from test_server import Served  # the suite's uvicorn-in-a-thread server
 
-    from specbatch import Engine
-    served = Served(Engine(smol, None, EngineConfig(speculation=False)))
+    served = Served(new_engine(smol, None, EngineConfig(speculation=False)))
     try:
         reply = served.client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=40, temperature=0)
@@ -81,10 +81,10 @@ def test_a_long_arrival_prefills_in_chunks_while_a_scalar_stream_speculates(smol
     [long] = long_prompts(smol.tokenizer, 280, 1)
     jobs = [(chat(smol.tokenizer, QUESTIONS[1]), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
             (long, SamplingParams(max_tokens=6, temperature=0.8, seed=3))]
-    with EngineCore(smol, None, EngineConfig(speculation=False, prefill_chunk=chunk)) as plain:
+    with new_core(smol, None, EngineConfig(speculation=False, prefill_chunk=chunk)) as plain:
         ref = [run(plain, [job])[0] for job in jobs]
     config = EngineConfig(speculative_width_cap=1, num_draft_tokens=4, prefill_chunk=chunk, prompt_cache_bytes=0)
-    with EngineCore(smol, NGramSource(smol.vocab_size), config) as core:
+    with new_core(smol, NGramSource(smol.vocab_size), config) as core:
         ids, out, seen = [core.add(*jobs[0])], {}, []
         while core.has_work():
             if len(seen) == 2:  # the live stream is under way

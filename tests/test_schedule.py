@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from specbatch.runtime import calibration
+from specbatch.kernels import calibration
 from specbatch.runtime.config import EngineConfig
 from specbatch.runtime.params import SamplingParams
 from specbatch.runtime.schedule import Band, DraftSchedule
 from specbatch.tools.calibrate import best_k
+from specbatch.kernels.build import new_core
 
 SCHEDULE = DraftSchedule([1, 2, 4, 8], [Band(0.0, [4, 3, 2, 0]), Band(0.7, [2, 1, 0, 0])])
 
@@ -46,15 +47,14 @@ def test_calibration_picks_each_cell_and_stores_the_schedule(tmp_path, monkeypat
 def test_a_fixed_draft_drafts_num_draft_tokens_at_each_width(tiny):
     from helpers import drive, plain_streams
 
-    from specbatch.runtime.core import EngineCore
     config = EngineConfig(speculative_width_cap=0, num_draft_tokens=3, fixed_draft=True)
     jobs = [(p, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)) for p in ("def f(x):", "x = 1")]
-    with EngineCore(tiny, tiny, config) as core:
+    with new_core(tiny, tiny, config) as core:
         run, ids = drive(core, {0: jobs[:1]})
         alone = core.stats()
         assert alone["spec_rounds"] > 0 and alone["drafted_tokens"] <= 3 * alone["spec_rounds"]
         assert alone["drafted_tokens"] > 2 * alone["spec_rounds"]  # k = 3 but for the budget's tail
-    with EngineCore(tiny, tiny, config) as core:
+    with new_core(tiny, tiny, config) as core:
         both, both_ids = drive(core, {0: jobs})
         stats = core.stats()
         assert stats["spec_widths"] == {2: stats["spec_rounds"]}

@@ -12,13 +12,14 @@ from server_helpers import Gate, Served, raw_request, read_response, until
 
 from specbatch import Engine
 from specbatch.runtime.config import EngineConfig
+from specbatch.kernels.build import new_engine
 
 
 @pytest.fixture(scope="module")
 def spec_server(model_dir):
     from specbatch.kernels.models import load
     tiny = load(model_dir["llama"])
-    served = Served(Engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2,
+    served = Served(new_engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2,
                                                     rearm_min_remaining=4, max_queue=64)))
     yield served
     served.close()
@@ -27,7 +28,7 @@ def spec_server(model_dir):
 @pytest.fixture(scope="module")
 def plain_server(model_dir):
     from specbatch.kernels.models import load
-    served = Served(Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)))
+    served = Served(new_engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)))
     yield served
     served.close()
 
@@ -59,7 +60,7 @@ def seeded(served, prompt, seed, n=24):
 def spec_engine(model_dir, **config) -> Engine:
     from specbatch.kernels.models import load
     tiny = load(model_dir["llama"])
-    return Engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2, rearm_min_remaining=4,
+    return new_engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2, rearm_min_remaining=4,
                                            max_queue=64, **config))
 
 
@@ -130,7 +131,7 @@ def test_multi_turn_chat_hits_the_prompt_cache(spec_server):
 
 def test_api_key_and_body_limit(model_dir):
     from specbatch.kernels.models import load
-    served = Served(Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)), api_key="s3cret",
+    served = Served(new_engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)), api_key="s3cret",
                     max_body=2000)
     try:
         body = {"prompt": "x", "max_tokens": 2}
@@ -150,7 +151,7 @@ def test_api_key_and_body_limit(model_dir):
 
 def test_queue_full_is_503_with_retry_after(model_dir):
     from specbatch.kernels.models import load
-    engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_queue=1, max_batch=1))
+    engine = new_engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_queue=1, max_batch=1))
     gate, served = Gate(engine), Served(engine)
     try:
         long = json.dumps({"prompt": "x", "max_tokens": 20, "ignore_eos": True}).encode()
@@ -173,7 +174,7 @@ def test_failure_after_streaming_started_sends_an_error_event(model_dir):
     from helpers import inject_failure
 
     from specbatch.kernels.models import load
-    engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False))
+    engine = new_engine(load(model_dir["llama"]), None, EngineConfig(speculation=False))
     served = Served(engine)
     try:
         inject_failure(engine, at_call=6)
@@ -235,7 +236,7 @@ def test_max_tokens_past_the_context_is_400_stating_the_room(spec_server):
 
 def test_the_room_follows_max_model_len(model_dir):
     from specbatch.kernels.models import load
-    served = Served(Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_model_len=64)))
+    served = Served(new_engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_model_len=64)))
     try:
         r = httpx.post(f"{served.url}/v1/completions", json={"prompt": [7] * 60, "max_tokens": 5})
         assert r.status_code == 400 and "room for 4" in r.json()["error"]["message"]

@@ -6,15 +6,15 @@ import httpx
 import pytest
 from server_helpers import Served
 
-from specbatch import Engine
 from specbatch.runtime.config import EngineConfig
+from specbatch.kernels.build import new_engine
 
 
 @pytest.fixture(scope="module")
 def served(model_dir):
     from specbatch.kernels.models import load
     tiny = load(model_dir["llama"])
-    s = Served(Engine(tiny, tiny, EngineConfig(num_draft_tokens=3, max_queue=4)))
+    s = Served(new_engine(tiny, tiny, EngineConfig(num_draft_tokens=3, max_queue=4)))
     yield s
     s.close()
 
@@ -148,7 +148,7 @@ def test_a_stalled_body_is_closed_after_the_body_timeout(model_dir):
     from server_helpers import read_response
 
     from specbatch.kernels.models import load
-    s = Served(Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)), body_timeout=0.2)
+    s = Served(new_engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)), body_timeout=0.2)
     try:
         sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -165,7 +165,7 @@ def test_health_and_metrics_show_the_waiting_prompt_tokens(model_dir):
     from server_helpers import Gate, raw_request, read_response, until
 
     from specbatch.kernels.models import load
-    engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_batch=1))
+    engine = new_engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_batch=1))
     gate, s = Gate(engine), Served(engine)
     try:
         body = {"prompt": list(range(1, 41)), "max_tokens": 20, "ignore_eos": True}

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_helpers import Served, call
 
-from specbatch import Engine
 from specbatch.runtime.config import EngineConfig
+from specbatch.kernels.build import new_engine
 
 ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
           ("POST", "/v1/chat/completions"), ("GET", "/nope"), ("DELETE", "/v1/completions")]
@@ -22,7 +22,7 @@ ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"), ("POST
 def served(model_dir):
     from specbatch.kernels.models import load
     tiny = load(model_dir["llama"])
-    served = Served(Engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2, max_queue=64)))
+    served = Served(new_engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2, max_queue=64)))
     yield served
     served.close()
 

@@ -21,13 +21,14 @@ from server_helpers import Gate, Served, free_port, raw_request, read_response, 
 from specbatch import Engine
 from specbatch.runtime.config import EngineConfig
 from specbatch.serving.http.serve import EXIT_CUT, GracefulServer
+from specbatch.kernels.build import new_engine
 
 
 def _engine(model_dir, speculate: bool) -> Engine:
     from specbatch.kernels.models import load
     target = load(model_dir["llama"])
     config = EngineConfig(num_draft_tokens=3) if speculate else EngineConfig(speculation=False)
-    return Engine(target, target if speculate else None, config)
+    return new_engine(target, target if speculate else None, config)
 
 
 def _watch_cancels(engine) -> threading.Event:
@@ -68,7 +69,7 @@ def test_a_gone_client_is_cancelled_and_freed_within_one_round(model_dir, stream
 
 def test_a_gone_client_still_waiting_for_admission_is_cancelled(model_dir):
     from specbatch.kernels.models import load
-    engine = Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_batch=1))
+    engine = new_engine(load(model_dir["llama"]), None, EngineConfig(speculation=False, max_batch=1))
     served, gate = Served(engine), Gate(engine)
     cancelled = _watch_cancels(engine)
     try:

@@ -9,9 +9,8 @@ from helpers import drive
 from server_helpers import Served
 
 from specbatch.runtime.config import EngineConfig
-from specbatch.runtime.core import EngineCore
-from specbatch.runtime.engine import Engine
 from specbatch.runtime.params import SamplingParams
+from specbatch.kernels.build import new_core, new_engine
 
 CHAT = [{"role": "user", "content": "x = 1"}]
 
@@ -20,14 +19,14 @@ CHAT = [{"role": "user", "content": "x = 1"}]
 def served(model_dir):
     from specbatch.kernels.models import load
     tiny = load(model_dir["llama"])
-    served = Served(Engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2,
+    served = Served(new_engine(tiny, tiny, EngineConfig(num_draft_tokens=3, speculative_width_cap=2,
                                                     rearm_min_remaining=4)))
     yield served
     served.close()
 
 
 def plain_logprobs(target, prompt: str, **params) -> list:
-    with EngineCore(target, None, EngineConfig(speculation=False)) as core:
+    with new_core(target, None, EngineConfig(speculation=False)) as core:
         run, (rid,) = drive(core, {0: [(prompt, SamplingParams(**params))]})
     return run.finals[rid].completion.logprobs
 

@@ -10,10 +10,10 @@ from helpers import draft, drive, drive_scalar, make_request, run_plain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specbatch import EngineCore, SamplingParams
+from specbatch import SamplingParams
 from specbatch.runtime.config import EngineConfig
 from specbatch.kernels.drafters.ngram import NGramSource, propose, propose_tree
-from specbatch.kernels.build import make_drafter
+from specbatch.kernels.build import make_drafter, new_core
 from specbatch.kernels.loops.scalar import ScalarLoop
 from specbatch.kernels.runner import ModelRunner
 from specbatch.runtime.policy import Decision, RowState
@@ -99,7 +99,7 @@ def test_tree_config_through_the_core_with_arrivals(fakes, shape, seeds, tempera
     config = EngineConfig(num_draft_tokens=4, speculative_width_cap=0, tree_shape=shape, rearm_min_remaining=3)
     jobs = [([(s % 97) + 3, 5, (s % 89) + 3, 5], SamplingParams(max_tokens=16, temperature=temperature, seed=s,
                                                                    ignore_eos=True)) for s in seeds]
-    with EngineCore(target, drafters[1], config) as core:
+    with new_core(target, drafters[1], config) as core:
         run, ids = drive(core, {0: jobs[:1], preempt_at: jobs[1:]})
     for (prompt, params), rid in zip(jobs, ids):
         assert run.tokens[rid] == run_plain(target, prompt, max_tokens=16, temperature=temperature,
@@ -246,8 +246,8 @@ def test_tree_depth_raises_the_width1_draft_length_and_config_reads_the_tree():
 def test_load_pair_reads_a_calibrated_tree(tmp_path, monkeypatch, model_dir):
     import json
 
-    from specbatch.runtime.calibration import machine_key, pair_key
-    from specbatch.runtime.config import load_pair
+    from specbatch.kernels.calibration import machine_key, pair_key
+    from specbatch.kernels.pair import load_pair
     path = tmp_path / "calibration.json"
     entry = {"k": 3, "cap": 1, "tree": "2,1,1", "tree_max_temperature": 0.0}
     path.write_text(json.dumps({machine_key(): {pair_key(str(model_dir["llama"]), "ngram"): entry}}))

@@ -13,15 +13,17 @@ from hypothesis import strategies as st
 from test_tree import SHAPES, assert_kv_equal, plain_kv
 
 import specbatch.kernels.loops.batch as batch_loop
-from specbatch import EngineCore, SamplingParams
+from specbatch import SamplingParams
 from specbatch.kernels.drafters.base import DraftTree
 from specbatch.kernels.drafters.mtp import MTPDrafter
 from specbatch.kernels.drafters.ngram import NGramSource
 from specbatch.kernels.loops.batch import BatchLoop, held_tokens
 from specbatch.kernels.loops.tree import top_chooser, greedy_rows
+from specbatch.kernels.paged_kv import KVLayout
 from specbatch.kernels.runner import ModelRunner
 from specbatch.runtime.config import EngineConfig
 from specbatch.runtime.tree_shape import BatchTree, TreeLayout, TreeShape
+from specbatch.kernels.build import new_core
 
 
 def prompts_for(salt: int, rows: int, length: int) -> list[list[int]]:
@@ -61,6 +63,8 @@ class OracleTrees:
     """A test drafter that knows the tiny target's greedy continuation and hides it behind a
     wrong first child at every depth, so accepted paths run through second children and
     the batch cache's columns really move."""
+
+    tree_width = 1 << 30  # a tree per row at any width
 
     def __init__(self, target):
         self.runner, self.fed, self.last = ModelRunner(target.model), [], []
@@ -141,9 +145,8 @@ def test_batched_tree_kv_equals_plain_kv_after_second_child_paths(tiny, layout):
     tokens it holds, though every accepted node was a second child (columns moved)."""
     prompts = [[5, 9, 13, 5, 9, 17, 5, 9], [7, 21, 8, 7], [3, 3, 4, 11, 12, 40, 41, 2, 8]]
     runner = ModelRunner(tiny.model)
-    runner.kv_layout = layout
     oracle = OracleTrees(tiny)
-    loop = BatchLoop(runner, oracle)
+    loop = BatchLoop(runner, oracle, layout=KVLayout(layout))
     requests = [make_request(tiny, p, max_tokens=n) for p, n in zip(prompts, (20, 14, 9))]
     for r in requests:
         loop.admit(r)
@@ -227,7 +230,7 @@ def test_batch_tree_config_width_and_temperature_limits(fakes):
         jobs = [([(7 * i) % 97 + 3, 5, 9, 5, 9], SamplingParams(max_tokens=10 + 3 * i, temperature=t, seed=i,
                                                                 ignore_eos=True)) for i, t in enumerate(temps)]
         with mock.patch.object(batch_loop, "tree_round", wraps=batch_loop.tree_round) as spy:
-            with EngineCore(target, NGramSource(512), config) as core:
+            with new_core(target, NGramSource(512), config) as core:
                 run, ids = drive(core, {0: jobs[:1], 1: jobs[1:]})
         for call in spy.call_args_list:  # (target, kv, drafter, pending, prev, rows, starts, shape)
             pending, rows = call.args[3], call.args[5]
@@ -257,8 +260,8 @@ def test_batch_tree_depth_raises_the_schedule_up_to_its_width_and_load_pair_read
                                                                                      model_dir):
     import json
 
-    from specbatch.runtime.calibration import machine_key, pair_key
-    from specbatch.runtime.config import load_pair
+    from specbatch.kernels.calibration import machine_key, pair_key
+    from specbatch.kernels.pair import load_pair
     from specbatch.runtime.schedule import Band, DraftSchedule
     from specbatch.tools.calibrate_tree import with_tree_depth
     schedule = DraftSchedule([1, 2, 4, 8], [Band(0.0, [1, 1, 1, 0]), Band(0.7, [0, 1, 1, 0])])

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from test_real_target import QUESTIONS, run, smol  # noqa: F401 (the module-scoped target)
 
-from specbatch import EngineCore, SamplingParams
+from specbatch import SamplingParams
 from specbatch.runtime.config import EngineConfig
 from specbatch.kernels.models import ModelNotFound, chat_prompt as chat, demo_path, load_mtp_head
+from specbatch.kernels.build import new_core
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +30,11 @@ def drafters(target):
 def test_tree_speculation_equals_plain(smol, temperature):  # noqa: F811
     jobs = [(chat(smol.tokenizer, q), SamplingParams(max_tokens=32, temperature=temperature, seed=3 + i))
             for i, q in enumerate(QUESTIONS[:2])]
-    with EngineCore(smol, None, EngineConfig(speculation=False)) as plain:
+    with new_core(smol, None, EngineConfig(speculation=False)) as plain:
         ref = [run(plain, [job])[0] for job in jobs]
     for name, drafter in drafters(smol).items():
         config = EngineConfig(speculative_width_cap=0, num_draft_tokens=3, tree_shape="2,1,1")
-        with EngineCore(smol, drafter, config) as core:
+        with new_core(smol, drafter, config) as core:
             got = [run(core, [job])[0] for job in jobs]
             assert core.stats()["spec_rounds"] > 0, name
         assert got == ref, name

@@ -19,7 +19,7 @@ _EXPORTS = {
     "Engine": ".runtime.engine", "EngineCore": ".runtime.core", "StepEvent": ".runtime.core",
     "SamplingParams": ".runtime.params", "TokenLogprob": ".runtime.params",
     "Completion": ".runtime.request", "RequestHandle": ".runtime.request", "TokenEvent": ".runtime.request",
-    "Usage": ".runtime.request",
+    "Usage": ".runtime.request", "from_pretrained": ".kernels.build",
     "InvalidRequest": ".errors", "EngineClosed": ".errors", "QueueFull": ".errors",
 }
 __all__ = list(_EXPORTS)

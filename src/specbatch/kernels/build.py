@@ -1,15 +1,24 @@
-"""The kernels the machine drives, built here and handed in behind ``scheduler``'s
-Protocols: the target runner, the drafter factory, both loops, admission, the prompt cache.
+"""The composition root: loading a pair, the kernels over it, and an engine (or a bare
+core) built on them.
 
-This is the only place that joins the MLX side to the machine; ``machine.py`` imports
-none of it, so the machine and its chart load without MLX.
+The runtime imports none of this: ``EngineCore(kernels, tokenizer, config)`` takes the
+``scheduler.Kernels`` built here (the target runner, the drafter factory, both loops,
+admission, the prompt cache) and builds its own machine over them. ``from_pretrained``
+loads a pair (``kernels.pair``) and returns a started ``Engine`` (or a core).
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+
 import attrs
+import mlx.core as mx
 import structlog
 
+from ..runtime.config import EngineConfig
+from ..runtime.core import EngineCore
+from ..runtime.engine import Engine, close_engines
 from ..runtime.output import RoundOutput
 from ..runtime.request import Request
 from .drafters.model import ModelDrafter
@@ -19,7 +28,9 @@ from .loops.admission import admit_each
 from .loops.batch import BatchLoop, held_tokens, retires
 from .loops.prefill import ChunkedPrefill
 from .loops.scalar import ScalarLoop
-from .models import kv_bytes_per_token
+from .models import LoadedModel, kv_bytes_per_token
+from .paged_kv import KVLayout
+from .pair import load_pair
 from .prompt_cache import PromptCache
 from .runner import ModelRunner, TargetRunner
 
@@ -39,9 +50,10 @@ def make_drafter(source, runner, batch: bool):
 class LoopKernels:
     """``scheduler.Kernels`` over a real target (and drafter source)."""
 
+    target: LoadedModel
+    drafter: object | None  # a draft model, an MTP head, an n-gram source (None: plain)
     runner: TargetRunner
-    config: object  # EngineConfig: the verify mode, the prefill settings
-    drafter_source: object | None  # a draft model, an MTP head, an n-gram source; None: plain
+    config: EngineConfig  # the verify mode, the prefill settings
     drafter_factory: object = make_drafter  # (source, runner, batch) -> Drafter
     prompt_cache: PromptCache = attrs.field(factory=PromptCache)
     token_bytes: int = 0
@@ -49,15 +61,26 @@ class LoopKernels:
 
     def __attrs_post_init__(self):
         if self.chunks is None:
-            self.chunks = ChunkedPrefill(self.runner, getattr(self.config, "chunked_prefill", True),
-                                         self.prompt_cache)
+            self.chunks = ChunkedPrefill(self.runner, self.config.chunked_prefill, self.prompt_cache)
 
     @property
     def speculative(self) -> bool:
-        return self.drafter_source is not None and self.config.speculation
+        return self.drafter is not None and self.config.speculation
+
+    @property
+    def drafter_name(self) -> str | None:
+        return getattr(self.drafter, "name", None)  # a follower's remote drafter has none
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.target.context_length
 
     def _drafter(self, batch: bool):
-        return self.drafter_factory(self.drafter_source, self.runner, batch)
+        return self.drafter_factory(self.drafter, self.runner, batch)
 
     def scalar(self, request: Request) -> tuple[ScalarLoop, RoundOutput]:
         loop = ScalarLoop(self.runner, self._drafter(batch=False), request, self.config.verify)
@@ -73,7 +96,7 @@ class LoopKernels:
 
     def batch(self, speculative: bool) -> BatchLoop:
         drafter = self._drafter(batch=True) if speculative else None
-        loop = BatchLoop(self.runner, drafter, self.config.verify)
+        loop = BatchLoop(self.runner, drafter, self.config.verify, KVLayout(self.config.kv_layout, self.config.kv_bits))
         loop.retire = self.prompt_cache.retire
         return loop
 
@@ -110,18 +133,57 @@ class LoopKernels:
                 "prefill_kv_bytes": self.chunks.nbytes}
 
 
-def build_kernels(target, drafter, config, drafter_factory=make_drafter) -> LoopKernels:
-    """Kernels over ``target`` (a LoadedModel); ``drafter``: its source, or None."""
+    def release_memory(self) -> None:
+        """Hand freed memory back to the OS when the engine goes idle: MLX's buffer cache, and
+        the free pages glibc's heap keeps (RSS grew ~120 MB over 1,000 requests without it,
+        with MLX's active memory flat)."""
+        mx.clear_cache()
+        try:
+            ctypes.CDLL(None).malloc_trim(0)  # glibc only; elsewhere there is nothing to call
+        except (OSError, AttributeError):
+            pass
+
+    def end_thread(self) -> None:
+        """The thread that ran the rounds is ending: MLX needs its streams cleared first."""
+        mx.clear_streams()
+
+
+def build_kernels(target: LoadedModel, drafter=None, config: EngineConfig | None = None,
+                  drafter_factory=make_drafter) -> LoopKernels:
+    """Kernels over ``target``; ``drafter``: its source, or None."""
+    config = config or EngineConfig()
     runner = ModelRunner(target.model, config.prefill_chunk)
-    runner.kv_bits = config.kv_bits  # the batch loop's KV storage (batch_kv reads it)
-    runner.kv_layout = config.kv_layout
-    return LoopKernels(runner, config, drafter if config.speculation else None,
-                       drafter_factory, PromptCache(config.prompt_cache_bytes),
+    return LoopKernels(target, drafter, runner, config, drafter_factory, PromptCache(config.prompt_cache_bytes),
                        kv_bytes_per_token(target.model))
 
 
-def build_scheduler(target, drafter, config, stats, deliver, drafter_factory=make_drafter):
-    """The state machine over fresh kernels: what ``EngineCore`` builds by default."""
-    from ..runtime.machine import SpecMachine
+def new_core(target: LoadedModel, drafter=None, config: EngineConfig | None = None, *,
+             drafter_factory=make_drafter, **options) -> EngineCore:
+    """A core stepped by its caller over fresh kernels (``options``: ``EngineCore``'s)."""
+    config = config or EngineConfig()
+    return EngineCore(build_kernels(target, drafter, config, drafter_factory), target.tokenizer, config, **options)
 
-    return SpecMachine(build_kernels(target, drafter, config, drafter_factory), config, stats, deliver)
+
+def new_engine(target: LoadedModel, drafter=None, config: EngineConfig | None = None, *,
+               drafter_factory=make_drafter, **options) -> Engine:
+    """A started engine over fresh kernels (``options``: ``Engine``'s)."""
+    config = config or EngineConfig()
+    return Engine(build_kernels(target, drafter, config, drafter_factory), target.tokenizer, config, **options)
+
+
+def from_pretrained(model: str | None = None, draft_model: str | None = None, *,
+                    speculation: bool = True, speculative_width_cap: int | None = None,
+                    num_draft_tokens: int | None = None, core: bool = False, **options):
+    """Load a target (and drafter) as ``load_pair`` does and start an ``Engine`` on them
+    (``core``: a bare ``EngineCore``); ``model=None``: the embedded pair."""
+    target, drafter, config = load_pair(model, draft_model, speculation=speculation,
+                                        speculative_width_cap=speculative_width_cap,
+                                        num_draft_tokens=num_draft_tokens, **options)
+    return (new_core if core else new_engine)(target, drafter, config)
+
+
+@atexit.register
+def _at_exit() -> None:
+    # MLX aborts at exit if a thread still holds streams: stop engine threads first.
+    close_engines()
+    mx.clear_streams()

@@ -14,11 +14,13 @@ so trimming after a quantized append leaves exactly the state of never appending
 
 from __future__ import annotations
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import structlog
 from mlx_lm.models.cache import KVCache
 
+from ..runtime.config import DEFAULT_KV_LAYOUT
 from .block_table import BLOCK, COMPACT_SLACK, BlockTable, group_size
 from .kv import BatchKV, RaggedKVCache
 
@@ -257,13 +259,21 @@ class PagedKV(BatchKV):
                 for p in layer.kpool.parts + layer.vpool.parts]
 
 
-LAYOUT = "paged"  # batch_kv's layout when none is named (EngineConfig.kv_layout names one)
+@attrs.frozen
+class KVLayout:
+    """How a batch cache stores its rows (``EngineConfig.kv_layout`` and ``kv_bits``)."""
+
+    kind: str = DEFAULT_KV_LAYOUT
+    bits: int | None = None
+
+    def empty(self, n_layers: int, width: int = 0) -> BatchKV:
+        return batch_kv(n_layers, width, self.kind, self.bits)
 
 
-def batch_kv(n_layers: int, width: int = 0, layout: str | None = None, kv_bits: int | None = None) -> BatchKV:
+def batch_kv(n_layers: int, width: int = 0, layout: str = DEFAULT_KV_LAYOUT, kv_bits: int | None = None) -> BatchKV:
     """An empty batch cache: ``paged`` (blocks, allocation close to need) or ``dense`` (one
     buffer padded to the longest row). ``kv_bits`` (8, 4) stores keys/values quantized,
     which only the paged layout does."""
-    if (layout or LAYOUT) == "paged" or kv_bits:
+    if layout == "paged" or kv_bits:
         return PagedKV.empty(n_layers, width, kv_bits)
     return BatchKV.empty(n_layers, width)

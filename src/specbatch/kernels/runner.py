@@ -3,7 +3,8 @@
 A ``TargetRunner`` turns tokens ``[B, N]`` plus per-layer caches into logits
 ``[B, N, V]``, and keeps the last forward's final hidden states ``[B, N, D]`` (lazy) in
 ``hidden`` for head drafters that read them (``None`` where it cannot). ``ModelRunner``
-wraps any mlx-lm model; a test or another server can pass its own object.
+wraps any mlx-lm model; a test or another server can pass its own object, with every
+method of the Protocol (the loops call each of them).
 """
 
 from __future__ import annotations
@@ -13,17 +14,39 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-PREFILL_CHUNK = 512  # tokens per prefill forward unless the runner says (``prefill_chunk``)
+from ..runtime.config import DEFAULT_PREFILL_CHUNK
+
 SPLIT_TYPES = {"llama", "mistral", "qwen2", "qwen3"}  # logits = head(model.model(x)), no scaling
 
 
 class TargetRunner(Protocol):
     n_layers: int
     vocab_size: int
-    hidden: mx.array | None
+    hidden: mx.array | None  # the last forward's final hidden states [B, N, D] (None: not kept)
+    prefill_chunk: int  # prompt tokens per prefill forward
 
     def forward(self, tokens: mx.array, cache: list) -> mx.array:
         """Logits ``[B, N, V]`` for tokens ``[B, N]``; appends their KV to ``cache``."""
+        ...
+
+    def forward_last(self, tokens: mx.array, cache: list) -> mx.array:
+        """Logits ``[B, V]`` of the last position only (prefill)."""
+        ...
+
+    def forward_tree(self, tokens: mx.array, cache: list, positions: mx.array, visible: mx.array) -> mx.array:
+        """Logits ``[B, N, V]`` for a token tree ``[B, N]`` (``ModelRunner.forward_tree``)."""
+        ...
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """The output head: hidden ``[..., D]`` -> logits ``[..., V]`` (head drafters share it)."""
+        ...
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """The input embedding (head drafters share it)."""
+        ...
+
+    def head_rows(self, ids: mx.array) -> mx.array:
+        """Rows ``[N, D]`` of the output head's weight for token ``ids`` (a reduced-vocabulary head)."""
         ...
 
     def make_cache(self) -> list:
@@ -34,7 +57,7 @@ class TargetRunner(Protocol):
 class ModelRunner:
     """``TargetRunner`` over an mlx-lm model."""
 
-    def __init__(self, model: nn.Module, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, model: nn.Module, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         self.model = model
         self.prefill_chunk = prefill_chunk  # tokens per prefill forward (the engine's config)
         self.n_layers = len(model.layers)
@@ -73,6 +96,11 @@ class ModelRunner:
     def embed(self, tokens: mx.array) -> mx.array:
         return self.model.model.embed_tokens(tokens)
 
+    def head_rows(self, ids: mx.array) -> mx.array:
+        if hasattr(self.model, "lm_head"):
+            return self.model.lm_head.weight[ids]
+        return self.embed(ids)  # a tied head
+
     def make_cache(self) -> list:
         from mlx_lm.models.cache import KVCache
         return [KVCache() for _ in range(self.n_layers)]
@@ -89,33 +117,23 @@ def prefill_batch(runner: TargetRunner, prompts: list[list[int]]):
     pads = [L - len(p) for p in prompts]
     tokens = mx.array([[0] * pad + p for p, pad in zip(prompts, pads)], dtype=mx.int32)  # [B, L]
     kv = BatchKV([RaggedKVCache.left_padded(pads) for _ in range(runner.n_layers)])
-    logits = forward_last(runner, tokens, kv.layers)  # [B, V]
+    logits = runner.forward_last(tokens, kv.layers)  # [B, V]
     mx.eval(logits, kv.arrays())
     return logits, kv
 
 
-def forward_last(runner: TargetRunner, tokens: mx.array, cache: list) -> mx.array:
-    """Logits ``[B, V]`` at the last of ``tokens [B, N]`` (the runner's cheaper path where it has one)."""
-    last = getattr(runner, "forward_last", None)
-    return last(tokens, cache) if last is not None else runner.forward(tokens, cache)[:, -1, :]
-
-
-def chunk_size(runner: TargetRunner) -> int:
-    return getattr(runner, "prefill_chunk", None) or PREFILL_CHUNK
-
-
 def prefill_chunk(runner: TargetRunner, tokens: list[int], cache: list) -> mx.array:
-    """One chunk ``tokens`` (at most ``chunk_size``) into ``cache``; its last logits ``[1, V]``
-    (evaluated with the new KV)."""
-    logits = forward_last(runner, mx.array(tokens, dtype=mx.int32)[None], cache)  # [1, V]
+    """One chunk ``tokens`` (at most ``runner.prefill_chunk``) into ``cache``; its last
+    logits ``[1, V]`` (evaluated with the new KV)."""
+    logits = runner.forward_last(mx.array(tokens, dtype=mx.int32)[None], cache)  # [1, V]
     mx.eval(logits, [c.keys for c in cache if getattr(c, "keys", None) is not None])
     return logits
 
 
 def prefill(runner: TargetRunner, tokens: list[int], cache: list) -> mx.array:
-    """Run ``tokens`` through the model in chunks of ``chunk_size``; logits ``[1, V]`` of the
-    last one. Chunked prefill between rounds (``loops/prefill.py``) cuts the same chunks."""
-    logits, n = None, chunk_size(runner)
+    """Run ``tokens`` through the model in chunks of ``runner.prefill_chunk``; logits ``[1, V]``
+    of the last one. Chunked prefill between rounds (``loops/prefill.py``) cuts the same chunks."""
+    logits, n = None, runner.prefill_chunk
     for i in range(0, len(tokens), n):
         logits = prefill_chunk(runner, tokens[i:i + n], cache)
     return logits

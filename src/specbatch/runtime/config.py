@@ -1,4 +1,4 @@
-"""Engine configuration, environment switches, and loading a target/drafter pair.
+"""Engine configuration and environment switches (loading a pair: ``kernels.pair``).
 
 Switches (both names work): ``SPECBATCH_PREEMPT`` / ``GMLX_MTP_PREEMPT`` (0: a lone
 speculating stream makes arrivals wait), ``SPECBATCH_RESUME`` / ``GMLX_MTP_RESUME`` (0: a
@@ -18,6 +18,11 @@ from .tree_shape import BatchTree, TreeShape
 DEFAULT_K = 4
 DEFAULT_CAP = 2  # a separate drafter on a dense target, until calibration says otherwise
 DEFAULT_PREFILL_CHUNK = 128  # ~0.4 s a chunk on the embedded target here, until calibration says otherwise
+# the batch loop's KV: "dense" (one buffer per layer, rows padded to the longest; the
+# faster here: 108.6 vs 97.1 tok/s plain at width 8) or "paged" (16-token blocks,
+# allocation within 10% of need: 1.01x vs 1.77x at width 16 with mixed lengths)
+KV_LAYOUTS = ("dense", "paged")
+DEFAULT_KV_LAYOUT = "dense"
 
 
 def _flag(*names: str, default: bool = True) -> bool:
@@ -71,11 +76,8 @@ class EngineConfig:
     pipeline: bool = True  # plain rounds dispatch their successor before reading (async eval)
     kv_budget_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # 0: unbounded
     prompt_cache_bytes: int = attrs.field(default=256 << 20, validator=attrs.validators.ge(0))
-    # the batch's target KV stored quantized per token (None: the model's dtype)
-    # the batch loop's KV: "dense" (one buffer per layer, rows padded to the longest; the
-    # faster here: 108.6 vs 97.1 tok/s plain at width 8) or "paged" (16-token blocks,
-    # allocation within 10% of need: 1.01x vs 1.77x at width 16 with mixed lengths)
-    kv_layout: str = attrs.field(default="dense", validator=attrs.validators.in_(("dense", "paged")))
+    kv_layout: str = attrs.field(default=DEFAULT_KV_LAYOUT, validator=attrs.validators.in_(KV_LAYOUTS))
+    # the batch's target KV stored quantized per token (None: the model's dtype; paged only)
     kv_bits: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_((4, 8))))
     verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))
     # False: the policy picks each round's draft (plain, k <= num_draft_tokens, a tree) from
@@ -117,66 +119,3 @@ def env_cap() -> int | None:
         if os.environ.get(name, "").strip():
             return check_cap(os.environ[name].strip())
     return None
-
-
-def load_pair(model=None, draft_model=None, *, speculation=True, speculative_width_cap=None,
-              num_draft_tokens=None, dtype=None, drafter=None, **options):
-    """Load target and drafter (the embedded target and its default drafter when ``model``
-    is None).
-
-    ``drafter=None``: ``"model"`` when a ``draft_model`` is given, else the embedded
-    target's default (its trained MTP head where one ships) or, for another target,
-    prompt lookup. ``drafter="model"``: ``draft_model`` is a separate mlx-lm model. ``drafter="mtp"``: an
-    MTP head, from ``draft_model`` (our head folder, or a checkpoint that ships MTP
-    layers), else the target folder's ``mtp/`` or the target checkpoint itself.
-    ``drafter="ngram"``: prompt lookup in each request's own tokens (no weights)."""
-    from ..kernels import models
-
-    if drafter is None:
-        drafter = "model" if draft_model is not None else (models.default_drafter() if model is None else "ngram")
-    if drafter not in ("model", "mtp", "ngram"):
-        raise ValueError(f"drafter must be 'model', 'mtp' or 'ngram', got {drafter!r}")
-    if model is None:
-        pair = models.demo_pair()
-        model = str(pair["target"])
-        if draft_model is None:
-            draft_model = str(pair["mtp" if drafter == "mtp" else "drafter"])
-    target = models.load(model, dtype=dtype)
-    kind, drafter = drafter, None
-    if kind == "mtp" and speculation:
-        drafter = models.load_mtp_head(draft_model, target)
-    elif kind == "ngram" and speculation:
-        from ..kernels.drafters.ngram import NGramSource
-        drafter = NGramSource(target.vocab_size)
-    elif draft_model is not None and speculation:
-        drafter = models.load(draft_model, dtype=dtype)
-        models.check_pair(target, drafter)
-    from .calibration import lookup, prior_for
-    if drafter is not None and "prior" not in options:
-        options["prior"] = prior_for(target.name, drafter.name)
-    if num_draft_tokens is None and drafter is not None:
-        num_draft_tokens = lookup(target.name, drafter.name, "max_k")
-    if options.get("prefill_chunk") is None:  # set, else calibrated for this target, else the default
-        options.pop("prefill_chunk", None)
-        chunk = lookup(target.name, None, "prefill_chunk")
-        if chunk is not None:
-            options["prefill_chunk"] = chunk
-    if "tree_shape" not in options and drafter is not None:
-        options["tree_shape"] = lookup(target.name, drafter.name, "tree", to_tree)
-        options.setdefault("tree_max_temperature", lookup(target.name, drafter.name, "tree_max_temperature", float))
-    if "batch_tree" not in options and drafter is not None:
-        options["batch_tree"] = lookup(target.name, drafter.name, "batch_tree", BatchTree.of)
-    if "max_spec_temperature" not in options and drafter is not None:
-        options["max_spec_temperature"] = lookup(target.name, drafter.name, "max_temperature", float)
-    fields = dict(options, speculation=speculation and drafter is not None)
-    if num_draft_tokens is not None:
-        fields["num_draft_tokens"] = num_draft_tokens
-    cap = env_cap()  # the environment, then the argument, then where the policy expects speculation to pay
-    if cap is None:
-        cap = speculative_width_cap
-    if cap is None and fields["speculation"]:
-        unset = EngineConfig(**fields)  # nothing pays: the cap is 1 and the policy decodes plain
-        cap = max(1, unset.policy().paying_width(unset.max_batch))
-    if cap is not None:
-        fields["speculative_width_cap"] = cap
-    return target, drafter, EngineConfig(**fields)

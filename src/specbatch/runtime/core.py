@@ -11,37 +11,23 @@ plans (``apply``).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Callable, Iterable
 
 import attrs
-import mlx.core as mx
 import structlog
 
 from ..errors import EngineClosed, InvalidRequest, QueueFull
-from ..kernels.build import build_scheduler
-from ..kernels.models import LoadedModel
 from .config import EngineConfig
+from .machine import SpecMachine
 from .output import Delivery
 from .params import SamplingParams, TokenLogprob
 from .plan import Lockstep, Plan, PlanRunner, fingerprint
 from .request import Completion, Request, RequestHandle, TokenEvent
-from .scheduler import Scheduler
+from .scheduler import Kernels, Scheduler
 from .stats import EngineStats
 
 log = structlog.get_logger(__name__)
-
-
-def release_memory() -> None:
-    """Hand freed memory back to the OS when the engine goes idle: MLX's buffer cache, and
-    the free pages glibc's heap keeps (RSS grew ~120 MB over 1,000 requests without it,
-    with MLX's active memory flat)."""
-    mx.clear_cache()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)  # glibc only; elsewhere there is nothing to call
-    except (OSError, AttributeError):
-        pass
 
 
 @attrs.frozen
@@ -91,21 +77,17 @@ class _Collector:
 class EngineCore:
     """Speculative decoding and continuous batching, stepped by the caller (one thread)."""
 
-    def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None,
-                 config: EngineConfig | None = None, *, scheduler_factory=build_scheduler,
+    def __init__(self, kernels: Kernels, tokenizer, config: EngineConfig | None = None, *,
                  lockstep: Lockstep | None = None,
                  fatal: Callable[[BaseException], bool] | None = None):
-        """``scheduler_factory(target, drafter, config, stats, deliver)`` builds the
-        scheduler (the state machine over fresh kernels by default; ``deliver`` is this
-        core's output stage); ``lockstep`` publishes each plan to follower ranks;
-        ``fatal(exc)``: errors that end the core instead of failing one round."""
-        self.target, self.drafter = target, drafter
+        """The state machine over ``kernels`` (``kernels.build`` makes them); ``lockstep``
+        publishes each plan to follower ranks; ``fatal(exc)``: errors that end the core
+        instead of failing one round."""
+        self.kernels, self.tokenizer = kernels, tokenizer
         self.config = config or EngineConfig()
-        self.tokenizer = target.tokenizer
         self.counters = EngineStats()
         self.delivery = Delivery(self.counters)  # round outputs -> text, stops, stats, events
-        self.scheduler: Scheduler = scheduler_factory(target, drafter, self.config, self.counters,
-                                                      self.delivery)
+        self.scheduler: Scheduler = SpecMachine(kernels, self.config, self.counters, self.delivery)
         self.lockstep = lockstep
         if fatal is None:
             fatal = lockstep.is_fatal if lockstep else (lambda exc: False)
@@ -119,18 +101,6 @@ class EngineCore:
         self._cancels: list[str] = []
         self._events = _Collector()
 
-    @classmethod
-    def from_pretrained(cls, model: str | None = None, draft_model: str | None = None, *,
-                        speculation: bool = True, speculative_width_cap: int | None = None,
-                        num_draft_tokens: int | None = None, **options):
-        """Load a target (and drafter) as ``load_pair`` does; ``model=None``: the demo pair."""
-        from .config import load_pair
-
-        target, drafter, config = load_pair(model, draft_model, speculation=speculation,
-                                            speculative_width_cap=speculative_width_cap,
-                                            num_draft_tokens=num_draft_tokens, **options)
-        return cls(target, drafter, config)
-
     # -- input -------------------------------------------------------------------------
     def encode(self, prompt: str | Iterable[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -138,8 +108,8 @@ class EngineCore:
         ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
         if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
-        if any(not 0 <= t < self.target.vocab_size for t in ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.target.vocab_size})", "prompt")
+        if any(not 0 <= t < self.kernels.vocab_size for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.kernels.vocab_size})", "prompt")
         return ids
 
     def prepare(self, prompt, params: SamplingParams | dict | None = None, *,
@@ -158,13 +128,13 @@ class EngineCore:
             raise InvalidRequest("prompt must not be empty", "prompt")
         room = self.context_length - len(ids)
         if room < 1:
-            limit = ("--max-model-len" if self.context_length < self.target.context_length
+            limit = ("--max-model-len" if self.context_length < self.kernels.context_length
                      else "the model's context")
             raise InvalidRequest(
                 f"prompt has {len(ids)} tokens; {limit} is {self.context_length} tokens, so no "
                 "token could be generated", "prompt", "context_length_exceeded")
-        if any(token >= self.target.vocab_size for token, _ in params.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.target.vocab_size})", "logit_bias")
+        if any(token >= self.kernels.vocab_size for token, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.kernels.vocab_size})", "logit_bias")
         params = params.with_seed()
         if params.max_tokens > room:  # a prompt may fill the context up to the limit
             params = attrs.evolve(params, max_tokens=room)
@@ -177,7 +147,7 @@ class EngineCore:
         """Prompt + completion tokens a request may hold: the model's context, or
         ``max_model_len`` where that is shorter."""
         limit = self.config.max_model_len
-        return min(self.target.context_length, limit) if limit else self.target.context_length
+        return min(self.kernels.context_length, limit) if limit else self.kernels.context_length
 
     def add(self, prompt, params: SamplingParams | dict | None = None) -> str:
         """Validate and queue a request for the next step; its id names its events."""
@@ -210,7 +180,7 @@ class EngineCore:
         if not self.runner.apply(plan):
             self.closed = True
         elif self.runner.idle and not was_idle:
-            release_memory()
+            self.kernels.release_memory()
         self.gauges = self.scheduler.gauges()
         return self._events.drain()
 

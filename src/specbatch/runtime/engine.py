@@ -15,43 +15,37 @@ import threading
 import weakref
 from typing import Iterable
 
-import mlx.core as mx
 import structlog
 
 from ..errors import EngineClosed
-from ..kernels.build import build_scheduler
-from ..kernels.models import LoadedModel
 from .config import EngineConfig
 from .core import EngineCore
 from .params import SamplingParams
 from .plan import Lockstep, Plan
 from .request import Request, RequestHandle
-from .scheduler import Scheduler
+from .scheduler import Kernels, Scheduler
 
 log = structlog.get_logger(__name__)
 _engines: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
-def _close_engines() -> None:
-    # MLX aborts at exit if a thread still holds streams: stop engine threads first.
+def close_engines() -> None:
+    """Stop every engine thread (at exit: the kernels then clean up the main thread)."""
     for engine in list(_engines):
         engine.close(timeout=10)
-    mx.clear_streams()
 
 
 class Engine:
     """Speculative decoding and continuous batching together, behind one small API."""
 
-    def __init__(self, target: LoadedModel, drafter: LoadedModel | None = None,
-                 config: EngineConfig | None = None, *, scheduler_factory=build_scheduler,
+    def __init__(self, kernels: Kernels, tokenizer, config: EngineConfig | None = None, *,
                  lockstep: Lockstep | None = None):
-        """``scheduler_factory(target, drafter, config, stats, deliver)`` builds the
-        scheduler (the state machine by default); ``lockstep`` publishes each plan to follower ranks."""
-        self.core = EngineCore(target, drafter, config, scheduler_factory=scheduler_factory,
-                               lockstep=lockstep)
-        self.target, self.drafter, self.config = target, drafter, self.core.config
-        self.tokenizer = target.tokenizer
+        """A core over ``kernels`` (``kernels.build`` makes them, and ``from_pretrained``
+        the whole engine), driven from a thread of its own; ``lockstep`` publishes each
+        plan to follower ranks."""
+        self.core = EngineCore(kernels, tokenizer, config, lockstep=lockstep)
+        self.kernels, self.tokenizer, self.config = kernels, tokenizer, self.core.config
         self._inbox: queue.SimpleQueue[list[Request] | None] = queue.SimpleQueue()  # batches of arrivals
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._on_failure: list = []
@@ -61,21 +55,19 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="specbatch-engine", daemon=True)
         self._thread.start()
         _engines.add(self)
-        log.info("engine_started", model=target.name, drafter=getattr(drafter, "name", None),
-                 speculation=self.config.speculation and drafter is not None,
+        log.info("engine_started", model=kernels.target.name, drafter=kernels.drafter_name,
+                 speculation=kernels.speculative,
                  k=self.config.num_draft_tokens, cap=self.config.speculative_width_cap)
 
-    @classmethod
-    def from_pretrained(cls, model: str | None = None, draft_model: str | None = None, *,
-                        speculation: bool = True, speculative_width_cap: int | None = None,
-                        num_draft_tokens: int | None = None, **options) -> "Engine":
-        """Load a target (and drafter) and start the engine; ``model=None``: the demo pair."""
-        from .config import load_pair
+    @property
+    def target(self):
+        """The loaded target (its ``name``, ``vocab_size``, ``context_length``)."""
+        return self.kernels.target
 
-        target, drafter, config = load_pair(model, draft_model, speculation=speculation,
-                                            speculative_width_cap=speculative_width_cap,
-                                            num_draft_tokens=num_draft_tokens, **options)
-        return cls(target, drafter, config)
+    @property
+    def drafter(self):
+        """The drafter's source (a model, a head, prompt lookup), or None."""
+        return self.kernels.drafter
 
     @property
     def scheduler(self) -> Scheduler:
@@ -207,7 +199,7 @@ class Engine:
             self._fail(("a peer rank was lost: " if lost else "") + f"{type(exc).__name__}: {exc}")
         finally:
             self.core.shutdown()
-            mx.clear_streams()  # MLX needs per-thread cleanup before interpreter exit
+            self.kernels.end_thread()  # MLX needs per-thread cleanup before interpreter exit
 
     def _fail(self, error: str) -> None:
         """The engine cannot go on (a lost peer): every request gets an error event."""

@@ -8,7 +8,7 @@
 
 ``Idle`` is the diagram's ``[*]``. The machine decides; the loops run rounds. Guards are
 pure (``may_<trigger>()`` evaluates them too); hooks only call the kernels, which are
-built elsewhere (``kernels.py``) and reached through ``scheduler``'s Protocols: this
+built elsewhere (``kernels/build.py``) and reached through ``scheduler``'s Protocols: this
 module imports no MLX. What a loop call produced goes straight to ``deliver`` (the core's
 output stage), so a row ended by a stop string is gone before the next check reads it.
 Vocabulary: *width* = rows in the batch; *cap* = ``speculative_width_cap``, the widest

@@ -2,7 +2,7 @@
 
 These Protocols are the machine's whole view of the kernels: the machine decides, the
 objects behind them run rounds. Nothing here imports MLX, so the machine (and the chart
-tool) load without it; ``kernels.py`` builds the real objects and hands them in.
+tool) load without it; ``kernels/build.py`` builds the real objects and hands them in.
 """
 
 from __future__ import annotations
@@ -84,8 +84,13 @@ class BatchRounds(Protocol):
 class Kernels(Protocol):
     """Builds loops and owns what outlives them (the target runner, the prompt cache)."""
 
+    target: object  # the loaded target: ``name``, ``vocab_size``, ``context_length``
+    drafter: object | None  # the drafter's source (None: plain)
     speculative: bool  # a drafter exists and speculation is on
     token_bytes: int  # target KV bytes per token (0: unknown), for the KV budget
+    drafter_name: str | None
+    vocab_size: int  # the core validates prompts and logit_bias against these
+    context_length: int
 
     def scalar(self, request: Request) -> tuple[ScalarRounds, RoundOutput]:
         """A started scalar loop (prefilled, first token out); each step is told its round."""
@@ -119,6 +124,14 @@ class Kernels(Protocol):
         ...
 
     def gauges(self) -> dict: ...
+
+    def release_memory(self) -> None:
+        """The engine went idle: hand freed memory back to the OS."""
+        ...
+
+    def end_thread(self) -> None:
+        """The thread that ran the rounds is ending (per-thread cleanup)."""
+        ...
 
 
 def take(waiting: collections.deque, joining: list[Request]) -> list[Request]:

@@ -52,7 +52,7 @@ def _distributed_args(p: argparse.ArgumentParser) -> None:
 
 def _engine(args, **options):
     """The engine (rank 0 / single process), or None on a follower rank once it is done."""
-    from .. import Engine
+    from ..kernels.build import from_pretrained
     options = dict(options, speculation=not args.no_speculation, speculative_width_cap=args.speculative_width_cap,
                    num_draft_tokens=args.num_draft_tokens, dtype=args.dtype, drafter=args.drafter,
                    **({"max_model_len": args.max_model_len} if args.max_model_len else {}),
@@ -61,7 +61,7 @@ def _engine(args, **options):
                    prefill_chunk=args.prefill_chunk, chunked_prefill=args.chunked_prefill,
                    **({"tree_shape": args.tree_shape} if getattr(args, "tree_shape", None) else {}))
     if not getattr(args, "distributed", False):
-        return Engine.from_pretrained(args.model, args.draft_model, **options)
+        return from_pretrained(args.model, args.draft_model, **options)
     from .dist import sharded_engine
     return sharded_engine(args.model, args.draft_model, backend=args.backend, timeout_s=args.peer_timeout,
                           **options)

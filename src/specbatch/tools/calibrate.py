@@ -1,13 +1,13 @@
 """``specbatch calibrate``: measures the draft-length schedule per pair and machine (tokens/s
 plain and at each draft length, per width and temperature band, side by side) and stores it
-in the calibration file (``runtime.calibration``); the prefill chunk comes from
+in the calibration file (``kernels.calibration``); the prefill chunk comes from
 ``calibrate_prefill``."""
 
 from __future__ import annotations
 
 import statistics
 
-from ..runtime.calibration import acceptance_by_position, derive_prior, lookup, machine_key, pair_key, store, store_fields
+from ..kernels.calibration import acceptance_by_position, derive_prior, lookup, machine_key, pair_key, store, store_fields
 from ..runtime.schedule import Band, DraftSchedule
 from .bench.harness import Context, acceptance, code_prompts, engine_tok_s
 from .calibrate_cost import cells_from, fit_cost
@@ -67,7 +67,7 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
 def run_calibrate(args) -> int:
     """``--measure``: the prefill chunk (target only), the draft-length schedule (and the
     trees after it), the trees alone (on the stored schedule), or all of it."""
-    from ..runtime.config import load_pair
+    from ..kernels.pair import load_pair
 
     measure = getattr(args, "measure", "all")
     target, drafter, config = load_pair(args.model, args.draft_model, dtype=args.dtype, drafter=args.drafter,

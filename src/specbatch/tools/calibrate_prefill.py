@@ -22,7 +22,7 @@ import time
 import mlx.core as mx
 
 from ..kernels.runner import ModelRunner, prefill, prefill_chunk
-from ..runtime.calibration import machine_key, pair_key, store_fields
+from ..kernels.calibration import machine_key, pair_key, store_fields
 
 def pick_chunk(times: dict[int, float], decode_s: float, gap: float) -> int:
     """The largest size whose chunk takes at most ``gap`` decode steps; else the smallest."""

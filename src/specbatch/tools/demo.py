@@ -52,8 +52,8 @@ def _drain(core, printer) -> None:
 
 def run_demo(args) -> int:
     from .. import SamplingParams, logs
-    from ..runtime.config import load_pair
-    from ..runtime.core import EngineCore
+    from ..kernels.build import new_core
+    from ..kernels.pair import load_pair
 
     logs.configure(getattr(args, "log_format", "console"), "info")
     options = dict(speculation=not args.no_speculation, num_draft_tokens=args.num_draft_tokens,
@@ -61,9 +61,9 @@ def run_demo(args) -> int:
                    speculative_width_cap=args.speculative_width_cap)
     target, drafter, config = load_pair(args.model, args.draft_model, **options)
     config = _showable(config, args)
-    core = EngineCore(target, drafter, config)
+    core = new_core(target, drafter, config)
     cap, m = core.config.speculative_width_cap, args.max_tokens
-    print(f"specbatch demo: target={core.target.name}\n  drafter={core.drafter and core.drafter.name} "
+    print(f"specbatch demo: target={target.name}\n  drafter={drafter and drafter.name} "
           f"k={core.config.num_draft_tokens} cap={cap} speculation={core.config.speculation}", flush=True)
     printer, start, ids = Printer(), time.perf_counter(), []
     greedy = lambda n, seed=0: SamplingParams(max_tokens=n, temperature=0.0, seed=seed)  # noqa: E731

@@ -18,6 +18,7 @@ Chooser = Callable[[mx.array, int], mx.array]
 # Picks the b children [M, b] of M tree nodes from their draft logits [M, V]; the children
 # sit at depth d (1-based), the j = d - 1 of a chain's draft step (loops/tree.py).
 TopChooser = Callable[[mx.array, int, int], mx.array]
+ANY_WIDTH = 1 << 30  # a drafter's ``tree_width`` when it drafts a tree per row at any width
 
 
 @attrs.frozen
@@ -42,6 +43,8 @@ class Capture:
 
 
 class Drafter(Protocol):
+    tree_width: int  # the widest batch it drafts a tree per row for (0: chains only)
+
     @property
     def width(self) -> int: ...
 
@@ -77,33 +80,30 @@ class Drafter(Protocol):
 
 
 class TreeDrafter(Drafter, Protocol):
-    """A drafter that can propose a token tree for a single row (the scalar loop).
+    """A drafter that proposes a token tree per row, for batches up to ``tree_width`` rows
+    (the MTP head and prompt lookup: any width; a draft model: the scalar loop's one row).
 
-    The invariant of ``Drafter`` holds around a tree round too: ``draft_tree`` feeds
-    ``[prev, pending]`` and the nodes it needs; ``commit_tree`` keeps ``prev``, ``pending``
+    The invariant of ``Drafter`` holds around a tree round too: ``draft_trees`` feeds
+    ``[prev, pending]`` and the nodes it needs; ``commit_trees`` keeps ``prev``, ``pending``
     and the accepted path but its last node, in sequence order, and forgets the rest."""
-
-    def draft_tree(self, prev: mx.array, pending: mx.array, shape, choose: TopChooser,
-                   context: list | None = None) -> DraftTree:
-        """A tree within ``shape`` (a ``TreeShape``); a dynamic shape's nodes may be pruned
-        by drafted probability (the MTP head does) or drafted whole as a static bound."""
-        ...
-
-    def commit_tree(self, path: list[int], hidden: mx.array | None = None) -> None:
-        """Keep the accepted ``path`` (node ids, depths 1 .. a); ``hidden`` ``[1, D]``: the
-        target state that predicted the new pending token (head drafters)."""
-        ...
-
-
-class BatchTreeDrafter(TreeDrafter, Protocol):
-    """A drafter that proposes one tree per row of a batch (the MTP head, prompt lookup):
-    the batch loop verifies trees only with these; a draft model's batch drafts chains."""
 
     def draft_trees(self, prev: mx.array, pending: mx.array, shape, choose: TopChooser,
                     context: list | None = None) -> list[DraftTree]:
-        """Per row, a tree within ``shape`` (rows' trees may differ under a dynamic shape)."""
+        """Per row, a tree within ``shape`` (a ``TreeShape``); a dynamic shape's nodes may
+        be pruned by drafted probability (the MTP head does) or drafted whole as a static
+        bound, so rows' trees may differ."""
         ...
 
     def commit_trees(self, paths: list[list[int]], hidden: mx.array | None = None) -> None:
-        """Per row, ``commit_tree``; ``hidden`` ``[B, D]``."""
+        """Per row, keep the accepted path (node ids, depths 1 .. a); ``hidden`` ``[B, D]``:
+        the target state that predicted each new pending token (head drafters)."""
+        ...
+
+    def draft_tree(self, prev: mx.array, pending: mx.array, shape, choose: TopChooser,
+                   context: list | None = None) -> DraftTree:
+        """One row's ``draft_trees``."""
+        ...
+
+    def commit_tree(self, path: list[int], hidden: mx.array | None = None) -> None:
+        """One row's ``commit_trees``."""
         ...

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..kv import BatchKV
 from ..paged_kv import batch_kv
-from ..runner import PREFILL_CHUNK
+from ...runtime.config import DEFAULT_PREFILL_CHUNK
 from ..tree_attention import compact, tree_call
 from .base import Capture, Chooser, DraftTree
 
@@ -33,13 +33,17 @@ class ModelDrafter:
         return self.kv.width if self.batch else int(self._single is not None)
 
     @property
+    def tree_width(self) -> int:
+        return 0 if self.batch else 1  # trees on the single-sequence cache only
+
+    @property
     def cache(self) -> list:
         return self.kv.layers if self.batch else self._single
 
     def _prefill(self, tokens: list[int]) -> list[KVCache]:
         cache = [KVCache() for _ in range(self.n_layers)]
-        for i in range(0, len(tokens), PREFILL_CHUNK):
-            self.model(mx.array(tokens[i:i + PREFILL_CHUNK])[None], cache=cache)
+        for i in range(0, len(tokens), DEFAULT_PREFILL_CHUNK):
+            self.model(mx.array(tokens[i:i + DEFAULT_PREFILL_CHUNK])[None], cache=cache)
             mx.eval([c.keys for c in cache])
         return cache
 
@@ -73,6 +77,13 @@ class ModelDrafter:
             levels.append(choose(logits, d, b).reshape(-1))
             first += M
         return DraftTree(mx.concatenate([pending, *levels]).astype(mx.int32), layout)
+
+    def draft_trees(self, prev, pending, shape, choose, context=None) -> list[DraftTree]:
+        return [self.draft_tree(prev, pending, shape, choose, context)]
+
+    def commit_trees(self, paths: list[list[int]], hidden=None) -> None:
+        [path] = paths
+        self.commit_tree(path)
 
     def commit_tree(self, path: list[int], hidden=None) -> None:
         if not path:

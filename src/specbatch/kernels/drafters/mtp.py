@@ -31,7 +31,7 @@ from ...runtime.tree_shape import TreeLayout
 from ..cpu import attention as cpu_attention
 from ..cpu import linear as cpu_linear
 from ..kv import RaggedKVCache
-from .base import Capture, Chooser, DraftTree
+from .base import ANY_WIDTH, Capture, Chooser, DraftTree
 
 HEAD_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
              "rope_theta", "rope_scaling", "rope_traditional", "max_position_embeddings")
@@ -124,6 +124,8 @@ def context_kv(cache) -> tuple[mx.array, mx.array, mx.array, list[int]]:
 class MTPDrafter:
     """Drafter protocol over an ``MTPHead`` that shares the target's embedding, head and KV."""
 
+    tree_width = ANY_WIDTH
+
     def __init__(self, head: MTPHead, runner):
         self.head, self.runner = head, runner
         self.hidden: mx.array | None = None  # [B, D]: target hidden that predicted each pending token
@@ -135,8 +137,7 @@ class MTPDrafter:
             return self.runner.head(h)
         ids = self.head.vocab_ids
         if self._rows is None:
-            lm_head = getattr(getattr(self.runner, "model", None), "lm_head", None)
-            self._rows = lm_head.weight[ids] if lm_head is not None else self.runner.embed(ids)
+            self._rows = self.runner.head_rows(ids)
         full = mx.full((h.shape[0], self.runner.vocab_size), -mx.inf, dtype=h.dtype)
         full[:, ids] = cpu_linear(h, self._rows)  # h @ rows.T
         return full

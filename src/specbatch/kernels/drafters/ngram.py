@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...runtime.tree_shape import TreeLayout
-from .base import Capture, Chooser, DraftTree
+from .base import ANY_WIDTH, Capture, Chooser, DraftTree
 
 
 @attrs.frozen
@@ -84,6 +84,8 @@ def _depth(parents: list[int], n: int) -> int:
 
 class NGramDrafter:
     """A Drafter over each row's own tokens; its state is the tokens it was fed."""
+
+    tree_width = ANY_WIDTH
 
     def __init__(self, source: NGramSource):
         self.source = source

@@ -8,12 +8,11 @@ import structlog
 
 from ...runtime.output import RoundOutput
 from ...runtime.request import Request
-from ..runner import PREFILL_CHUNK
 from .batch import BatchLoop
 
 log = structlog.get_logger(__name__)
 
-BATCH_PREFILL_TOKENS = 2048  # padded tokens per batched prefill: bounds its activations
+BATCH_PREFILL_CHUNKS = 16  # padded tokens per batched prefill, in prefill chunks: bounds its activations
 
 
 def admit_each(loop: BatchLoop, requests: list[Request], prompt_cache=None, prefilled=None) -> RoundOutput:
@@ -25,11 +24,11 @@ def admit_each(loop: BatchLoop, requests: list[Request], prompt_cache=None, pref
             out.merge(_admit_one(loop, request, p.cache, p.logits, p.hidden))
             continue
         cache, _ = prompt_cache.lookup(request.prompt) if prompt_cache else (None, 0)
-        if cache is None and len(request.prompt) <= PREFILL_CHUNK:
+        if cache is None and len(request.prompt) <= loop.target.prefill_chunk:
             fresh.append(request)
         else:
             out.merge(_admit_one(loop, request, cache))
-    for group in _groups(fresh):
+    for group in _groups(fresh, BATCH_PREFILL_CHUNKS * loop.target.prefill_chunk):
         try:
             got = loop.admit_many(group) if len(group) > 1 else loop.admit(group[0])
         except Exception as exc:
@@ -58,12 +57,12 @@ def _fall_back(loop: BatchLoop, group: list[Request], exc: Exception) -> RoundOu
     return out
 
 
-def _groups(requests: list[Request]) -> list[list[Request]]:
-    """Similar lengths together (little padding), each within BATCH_PREFILL_TOKENS."""
+def _groups(requests: list[Request], most: int) -> list[list[Request]]:
+    """Similar lengths together (little padding), each within ``most`` padded tokens."""
     groups: list[list[Request]] = []
     for request in sorted(requests, key=lambda r: len(r.prompt)):
         group = groups[-1] if groups else None
-        if group is None or len(request.prompt) * (len(group) + 1) > BATCH_PREFILL_TOKENS:
+        if group is None or len(request.prompt) * (len(group) + 1) > most:
             groups.append([request])
         else:
             group.append(request)

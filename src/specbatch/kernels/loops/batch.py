@@ -30,7 +30,7 @@ from ...runtime.request import Request
 from ..drafters.base import Capture
 from ..kv import BatchKV
 from ..logprobs import gather, read, sample_read
-from ..paged_kv import batch_kv
+from ..paged_kv import KVLayout
 from ..runner import TargetRunner, prefill, prefill_batch
 from ..sampling import RowSampling, positions_from, sample
 from .tree import tree_capable, tree_round
@@ -49,13 +49,12 @@ class Row:
 class BatchLoop:
     """Decode rounds over many rows; rows join and leave only between rounds."""
 
-    def __init__(self, target: TargetRunner, drafter=None, verify: str = "coupled"):
+    def __init__(self, target: TargetRunner, drafter=None, verify: str = "coupled", layout: KVLayout = KVLayout()):
         self.target, self.drafter, self.verify = target, drafter, verify
         self.armed = False  # the drafter holds one row per loop row
         self.retire = None  # callable(tokens, single caches): the prompt cache's intake
         self.rows: list[Row] = []
-        self.kv = batch_kv(target.n_layers, layout=getattr(target, "kv_layout", None),
-                                kv_bits=getattr(target, "kv_bits", None))
+        self.kv = layout.empty(target.n_layers)
         self._lookahead: tuple | None = None  # lazy (tokens [B, 1], LazyLogprobs | None) of a dispatched forward
         self._sampling: RowSampling | None = None
 
@@ -159,7 +158,7 @@ class BatchLoop:
         pending, prev, starts = [r.pending for r in self.rows], [r.prev for r in self.rows], \
             [r.request.emitted for r in self.rows]
         # a tree's node paths are not counted by penalties: a batch with a penalized row drafts chains
-        treeable = tree_capable(self.target, self.drafter, self.width) and not self._rows_sampling().penalized
+        treeable = tree_capable(self.drafter, self.width) and not self._rows_sampling().penalized
         shape = decision.tree if treeable else None
         if shape is not None:  # the tree round compacts the KV and commits the drafter itself
             result = tree_round(self.target, self.kv, self.drafter, pending, prev, self._rows_sampling(), starts,

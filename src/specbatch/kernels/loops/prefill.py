@@ -20,7 +20,7 @@ import structlog
 
 from ...runtime.output import RoundOutput
 from ...runtime.request import Request
-from ..runner import TargetRunner, chunk_size, prefill_chunk
+from ..runner import TargetRunner, prefill_chunk
 from .verify import last_hidden
 
 log = structlog.get_logger(__name__)
@@ -47,7 +47,7 @@ class ChunkedPrefill:
 
     def __init__(self, runner: TargetRunner, enabled: bool = True, prompt_cache=None):
         self.runner, self.enabled = runner, enabled
-        self.chunk = chunk_size(runner)  # the whole prefill's chunks too: the same boundaries
+        self.chunk = runner.prefill_chunk  # the whole prefill's chunks too: the same boundaries
         self.prompt_cache = prompt_cache  # a head start from a cached prefix (looked up once)
         self._partials: dict[str, Partial] = {}  # request id -> its prefill so far
 

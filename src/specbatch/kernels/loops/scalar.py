@@ -102,7 +102,7 @@ class ScalarLoop:
             return
         k = decision.k
         # a tree's node paths are not counted by penalties: penalized rows draft chains
-        if decision.tree is not None and not self._rows.penalized and tree_capable(self.target, self.drafter):
+        if decision.tree is not None and not self._rows.penalized and tree_capable(self.drafter):
             result = tree_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
                                 [self.request.emitted], decision.tree)
         else:

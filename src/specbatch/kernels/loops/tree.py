@@ -42,30 +42,14 @@ def top_chooser(rows: RowSampling, start: int):
     return choose
 
 
-def tree_capable(target, drafter, width: int = 1) -> bool:
-    """The pair can verify trees for ``width`` rows (wider than one: a drafter that drafts
-    a tree per row, ``draft_trees``)."""
-    rows = hasattr(drafter, "draft_trees") or (width == 1 and hasattr(drafter, "draft_tree"))
-    return hasattr(target, "forward_tree") and rows
+def tree_capable(drafter, width: int = 1) -> bool:
+    """The drafter drafts a tree per row for ``width`` rows."""
+    return width <= drafter.tree_width
 
 
 def greedy_rows(width: int) -> RowSampling:
     """Draft choices of a batch: greedy top-b children (the batch loop drafts greedily)."""
     return RowSampling([0] * width, [0.0] * width, [1.0] * width, [0] * width)
-
-
-def draft_rows(drafter, prev: mx.array, pending: mx.array, shape: TreeShape, choose, context) -> list[DraftTree]:
-    if hasattr(drafter, "draft_trees"):
-        return drafter.draft_trees(prev, pending, shape, choose, context=context)
-    return [drafter.draft_tree(prev, pending, shape, choose, context=context)]
-
-
-def commit_rows(drafter, paths: list[list[int]], hidden) -> None:
-    if hasattr(drafter, "commit_trees"):
-        drafter.commit_trees(paths, hidden=hidden)
-    else:
-        [path] = paths
-        drafter.commit_tree(path, hidden=hidden)
 
 
 def pack(trees: list[DraftTree]) -> tuple[mx.array, mx.array, mx.array]:
@@ -92,8 +76,8 @@ def tree_round(target, kv, drafter, pending: list[int], prev: list[int], rows: R
     B = len(pending)
     layers = kv.layers if isinstance(kv, BatchKV) else kv
     choose = top_chooser(rows, starts[0]) if coupled and B == 1 else top_chooser(greedy_rows(B), 0)
-    trees = draft_rows(drafter, mx.array(prev, dtype=mx.int32), mx.array(pending, dtype=mx.int32), shape, choose,
-                       layers)
+    trees = drafter.draft_trees(mx.array(prev, dtype=mx.int32), mx.array(pending, dtype=mx.int32), shape, choose,
+                                context=layers)
     tokens, depths, visible = pack(trees)  # [B, N], [B, N], [B, N, N]
     roots = kv.lengths() if isinstance(kv, BatchKV) else [layers[0].offset]  # the roots' RoPE positions
     logits = target.forward_tree(tokens, layers, mx.array(roots)[:, None] + depths, visible)  # [B, N, V]
@@ -106,8 +90,8 @@ def tree_round(target, kv, drafter, pending: list[int], prev: list[int], rows: R
     else:
         compact(layers, roots[0], paths[0])
     last = [p[-1] if p else 0 for p in paths]
-    hidden = getattr(target, "hidden", None)  # [B, N, D]
-    commit_rows(drafter, paths, None if hidden is None else hidden[mx.arange(B), mx.array(last)])
+    hidden = target.hidden  # [B, N, D]
+    drafter.commit_trees(paths, hidden=None if hidden is None else hidden[mx.arange(B), mx.array(last)])
     nodes = [[0, *p] for p in paths]
     log.debug("tree_round", rows=B, nodes=[t.layout.size for t in trees], accepted=[len(p) for p in paths])
     return RoundResult([[toks[b][n] for n in ns] for b, ns in enumerate(nodes)], [len(p) for p in paths],

@@ -149,7 +149,7 @@ def spec_round(target, target_cache: list, drafter, pending: list[int], prev: li
 
 def bonus_hidden(runner, accepted: list[int]) -> mx.array | None:
     """The target hidden state that predicted each row's bonus token: ``[B, D]``."""
-    hidden = getattr(runner, "hidden", None)  # [B, k+1, D] from the verify forward
+    hidden = runner.hidden  # [B, k+1, D] from the verify forward
     if hidden is None:
         return None
     return hidden[mx.arange(len(accepted)), mx.array(accepted)]
@@ -157,5 +157,5 @@ def bonus_hidden(runner, accepted: list[int]) -> mx.array | None:
 
 def last_hidden(runner) -> mx.array | None:
     """``[B, D]``: the hidden state at the last position of the runner's latest forward."""
-    hidden = getattr(runner, "hidden", None)
+    hidden = runner.hidden
     return None if hidden is None else hidden[:, -1]

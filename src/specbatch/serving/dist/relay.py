@@ -17,6 +17,8 @@ from .peers import Peers
 class RelayDrafter:
     """Driver side: draft with ``inner``, then broadcast what the followers need."""
 
+    tree_width = 0  # the drafts relayed are chains
+
     def __init__(self, inner, peers: Peers, send_logits: bool):
         self.inner, self.peers, self.send_logits = inner, peers, send_logits
 
@@ -54,6 +56,8 @@ class RelayDrafter:
 
 class EchoDrafter:
     """Follower side: the driver's drafts, as if drafted here."""
+
+    tree_width = 0
 
     def __init__(self, peers: Peers, vocab: int, send_logits: bool):
         self.peers, self.vocab, self.send_logits = peers, vocab, send_logits

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import structlog
 
-from ...runtime.config import EngineConfig, load_pair
-from ...runtime.core import EngineCore
+from ...runtime.config import EngineConfig
 from ...runtime.engine import Engine
-from ...kernels.build import build_scheduler, make_drafter
+from ...kernels.build import make_drafter, new_core, new_engine
+from ...kernels.pair import load_pair
 from ...kernels.models import LoadedModel, demo_pair, load
 from ...runtime.plan import Plan
 from .peers import Peers, PeerLost, is_peer_failure
@@ -90,10 +90,7 @@ def sharded_engine(model: str | None = None, draft_model: str | None = None, *,
     def relay(source, runner, batch):
         return RelayDrafter(make_drafter(source, runner, batch), peers, send_logits)
 
-    def machine(t, d, c, stats, deliver):
-        return build_scheduler(t, d, c, stats, deliver, drafter_factory=relay)
-
-    engine = Engine(target, drafter, config, scheduler_factory=machine, lockstep=DriverLink(peers))
+    engine = new_engine(target, drafter, config, drafter_factory=relay, lockstep=DriverLink(peers))
     peers.watch(on_hang=engine._fail)
     log.info("sharded_engine", rank=peers.rank, ranks=peers.size, model=target.name)
     return engine
@@ -111,12 +108,9 @@ def follow(peers: Peers, target: LoadedModel) -> dict:
     def echo(source, runner, batch):
         return EchoDrafter(peers, target.vocab_size, send_logits)
 
-    def machine(t, d, c, stats, deliver):
-        return build_scheduler(t, d, c, stats, deliver, drafter_factory=echo)
-
     # the same core the driver's engine steps, fed the driver's plans instead of its own
-    core = EngineCore(target, REMOTE_DRAFTER if hello["speculative"] else None, config,
-                      scheduler_factory=machine, fatal=is_peer_failure)
+    core = new_core(target, REMOTE_DRAFTER if hello["speculative"] else None, config,
+                    drafter_factory=echo, fatal=is_peer_failure)
     peers.watch(on_hang=lambda error: None)
     log.info("follower_ready", rank=peers.rank, ranks=peers.size, model=target.name)
     steps = 0

@@ -13,6 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
+from ...kernels.build import new_engine
 from ...runtime.engine import Engine
 from ...runtime.params import SamplingParams
 from .. import workload
@@ -150,7 +151,7 @@ class Context:
         fields = {"prompt_cache_bytes": 0, **overrides}
         config = attrs.evolve(self.config, **fields)
         drafter = self.drafter if config.speculation else None
-        engine = Engine(self.target, drafter, config)
+        engine = new_engine(self.target, drafter, config)
         engine_tok_s(engine, code_prompts(self.target.tokenizer, 2), 8)  # warm up
         self._engines.append(engine)
         return engine

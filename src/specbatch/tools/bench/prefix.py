@@ -51,9 +51,8 @@ def _run(engine, prompts: list[list[int]], tokens: int, gap_s: float) -> list[fl
 
 
 def _cache_of(engine):
-    """The engine's prompt cache (for its token counters), where the layout exposes it."""
-    scheduler = getattr(engine.core, "scheduler", None)
-    return getattr(getattr(scheduler, "kernels", None), "prompt_cache", None)
+    """The engine's prompt cache (for its token counters)."""
+    return engine.kernels.prompt_cache
 
 
 def suite_prefix_cache(ctx, tokens: int = 16, gap_s: float = 0.5) -> dict:

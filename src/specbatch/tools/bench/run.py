@@ -8,7 +8,7 @@ import platform
 import time
 from pathlib import Path
 
-from ...runtime.config import load_pair
+from ...kernels.pair import load_pair
 from . import basic, http, kernels, long, memory, policy, prefix, serving, sharded, tree
 from .harness import Context
 
@@ -39,7 +39,7 @@ def print_table(title: str, rows: list[dict]) -> None:
 def chain_k(target, drafter) -> int | None:
     """The longest chain the pair's calibrated schedule drafts (trees raise the stored k to
     their depth; "always speculate" baselines draft chains of this)."""
-    from ...runtime.calibration import lookup
+    from ...kernels.calibration import lookup
     from ...runtime.schedule import DraftSchedule
     chains = lookup(target.name, drafter.name, "chain_schedule", DraftSchedule.from_json) if drafter else None
     return max(1, chains.max_k()) if chains is not None else None

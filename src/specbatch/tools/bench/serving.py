@@ -177,7 +177,7 @@ def suite_drafters(ctx) -> dict:
     import attrs
 
     from ...kernels.models import ModelNotFound, demo_pair, load, load_mtp_head
-    from ...runtime.engine import Engine
+    from ...kernels.build import new_engine
     from .harness import acceptance, code_prompts, engine_tok_s
     pair = demo_pair() if ctx.target.name == str(demo_pair()["target"]) else None
     drafters = {}
@@ -198,7 +198,7 @@ def suite_drafters(ctx) -> dict:
     for name, drafter in drafters.items():
         forced = attrs.evolve(ctx.config, speculative_width_cap=0, prompt_cache_bytes=0, fixed_draft=True,
                               max_spec_temperature=None)  # each drafter speculating, calibrated or not
-        engines = {w: Engine(ctx.target, drafter, forced)
+        engines = {w: new_engine(ctx.target, drafter, forced)
                    for w in (1, 4)}
         for width, engine in engines.items():
             engine_tok_s(engine, prompts[:2], 8)

@@ -57,13 +57,13 @@ def two_ranks(ctx, tokens: int) -> dict[int, float]:
 
 
 def suite_sharded(ctx) -> dict:
-    from ...runtime.engine import Engine
+    from ...kernels.build import new_engine
     from ...serving.dist.sharded import unshardable
     why = unshardable(ctx.target, 2)
     if why is not None:  # say so instead of launching ranks that refuse it
         return {"rows": [], "skipped": why}
     drafter, how = shardable(ctx)
-    one = Engine(ctx.target, drafter if ctx.config.speculation else None, ctx.config)
+    one = new_engine(ctx.target, drafter if ctx.config.speculation else None, ctx.config)
     samples = {(r, w): [] for r in (1, 2) for w in WIDTHS}
     for _ in range(ctx.repeats):
         for w, v in workload(one, ctx.target.tokenizer, ctx.tokens).items():

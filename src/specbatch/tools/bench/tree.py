@@ -43,7 +43,7 @@ def tree_config(config, shape: TreeShape | None, k: int):
 
 def systems(target, drafter, config, k: int, shapes) -> dict:
     """Engines by name: plain, ``chain k=..``, ``tree b1,b2,..``; warmed up."""
-    from ...runtime.engine import Engine
+    from ...kernels.build import new_engine
     from .harness import code_prompts, engine_tok_s
     configs = {"plain": (None, attrs.evolve(config, speculation=False, prompt_cache_bytes=0)),
                f"chain k={k}": (drafter, tree_config(config, None, k))}
@@ -51,7 +51,7 @@ def systems(target, drafter, config, k: int, shapes) -> dict:
         configs[f"tree {shape}"] = (drafter, tree_config(config, TreeShape.parse(str(shape)), k))
     engines = {}
     for name, (source, cfg) in configs.items():
-        engines[name] = Engine(target, source, cfg)
+        engines[name] = new_engine(target, source, cfg)
         engine_tok_s(engines[name], code_prompts(target.tokenizer, 1), 8)  # warm up
     return engines
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import attrs
 
-from .policy import PRIOR_ACCEPTANCE, CostModel, Prior
-from .schedule import DraftSchedule
+from ..runtime.policy import PRIOR_ACCEPTANCE, CostModel, Prior
+from ..runtime.schedule import DraftSchedule
 
 
 def calibration_file() -> Path:
