@@ -9,7 +9,7 @@ from specbatch.kernels.loops.batch import BatchLoop
 from specbatch.kernels.loops.scalar import ScalarLoop
 from specbatch.kernels.paged_kv import KVLayout
 from specbatch.kernels.runner import ModelRunner
-from specbatch.runtime.core import StepEvent
+from specbatch.runtime.output import StepEvent
 from specbatch.runtime.params import SamplingParams
 from specbatch.runtime.policy import Decision
 from specbatch.runtime.request import Request

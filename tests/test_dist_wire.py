@@ -29,7 +29,7 @@ def test_a_plan_survives_the_wire(tiny, sp, prompt, closing, more):
     assert fp == "Scalar/w1/q0/e3"
     assert (got.cancels, got.closing, got.abandon, got.more_coming) == (("req-x",), closing, closing, more)
     (copy,) = got.arrivals
-    assert (copy.id, copy.handle.request_id, copy.prompt, copy.params) == (request.id, request.id, prompt, sp)
+    assert (copy.id, copy.prompt, copy.params) == (request.id, prompt, sp)
 
 
 class ScriptedPeers:

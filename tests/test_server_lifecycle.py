@@ -51,6 +51,7 @@ def test_a_gone_client_is_cancelled_and_freed_within_one_round(model_dir, stream
         sock = raw_request(served.port, "POST", "/v1/completions", json.dumps(body).encode())
         gate.run_to(2)  # admitted and decoding; the engine is parked between two rounds
         [request] = engine.scheduler.requests()
+        handle = engine.handle(request)
         emitted = request.emitted
         sock.close()  # the client goes away
         assert cancelled.wait(30), "the server never cancelled the request"
@@ -61,7 +62,7 @@ def test_a_gone_client_is_cancelled_and_freed_within_one_round(model_dir, stream
         assert request.emitted <= emitted + 1  # at most the token a pipelined plain round had in flight
         assert gauges["width"] == 0 and gauges["kv_bytes"] == 0  # its KV went with that round
         gate.open()
-        assert request.handle.result(30).finish_reason == "cancelled"
+        assert handle.result(30).finish_reason == "cancelled"
     finally:
         gate.open()
         served.close()

@@ -16,7 +16,7 @@ from .logs import configure_default as _configure_logs  # noqa: E402
 _configure_logs()
 
 _EXPORTS = {
-    "Engine": ".runtime.engine", "EngineCore": ".runtime.core", "StepEvent": ".runtime.core",
+    "Engine": ".runtime.engine", "EngineCore": ".runtime.core", "StepEvent": ".runtime.output",
     "SamplingParams": ".runtime.params", "TokenLogprob": ".runtime.params",
     "Completion": ".runtime.request", "RequestHandle": ".runtime.request", "TokenEvent": ".runtime.request",
     "Usage": ".runtime.request", "from_pretrained": ".kernels.build",

@@ -11,7 +11,6 @@ plans (``apply``).
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Iterable
 
 import attrs
@@ -20,58 +19,14 @@ import structlog
 from ..errors import EngineClosed, InvalidRequest, QueueFull
 from .config import EngineConfig
 from .machine import SpecMachine
-from .output import Delivery
-from .params import SamplingParams, TokenLogprob
+from .output import Delivery, StepEvent
+from .params import SamplingParams
 from .plan import Lockstep, Plan, PlanRunner, fingerprint
-from .request import Completion, Request, RequestHandle, TokenEvent
+from .request import Request
 from .scheduler import Kernels, Scheduler
 from .stats import EngineStats
 
 log = structlog.get_logger(__name__)
-
-
-@attrs.frozen
-class StepEvent:
-    """What one request produced in one step: its new tokens and their text; the last
-    event of a request carries ``finish_reason`` (and ``error``, ``completion``)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    error: str | None = None
-    completion: Completion | None = None  # the whole result, on the last event only
-    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked
-
-
-class _Collector:
-    """Gathers the token events requests push during a step into one StepEvent each.
-
-    It observes the handles rather than draining them, so an Engine's callers still read
-    every event from their handle."""
-
-    def __init__(self) -> None:
-        self._seen: dict[str, tuple[RequestHandle, list[TokenEvent]]] = {}  # first seen first
-
-    def watch(self, request: Request) -> None:
-        request.handle._observers.append(functools.partial(self._see, request.handle))
-
-    def _see(self, handle: RequestHandle, event: TokenEvent) -> None:
-        self._seen.setdefault(event.request_id, (handle, []))[1].append(event)
-
-    def drain(self) -> list[StepEvent]:
-        seen, self._seen = self._seen, {}  # swap first: a failing driver may drain from another thread
-        out = []
-        for rid, (handle, events) in list(seen.items()):
-            last = events[-1]
-            if last.finish_reason is not None:  # nothing more comes: the handle stops pointing here
-                handle._observers.clear()
-            lps = [e.logprob for e in events if e.logprob is not None]
-            out.append(StepEvent(rid, [e.token for e in events if e.token is not None],
-                                 "".join(e.text for e in events), last.finish_reason, last.error,
-                                 handle._completion if last.finish_reason is not None else None,
-                                 lps or None))
-        return out
 
 
 class EngineCore:
@@ -99,7 +54,6 @@ class EngineCore:
         self.gauges = self.scheduler.gauges()  # the last step's: safe to read from any thread
         self._arrivals: list[Request] = []  # added since the last step
         self._cancels: list[str] = []
-        self._events = _Collector()
 
     # -- input -------------------------------------------------------------------------
     def encode(self, prompt: str | Iterable[int]) -> list[int]:
@@ -153,8 +107,12 @@ class EngineCore:
         """Validate and queue a request for the next step; its id names its events."""
         request = self.prepare(prompt, params)
         self._arrivals.append(request)
-        self.counters.submitted += 1
+        self.submitted(1)
         return request.id
+
+    def submitted(self, n: int) -> None:
+        """``n`` requests were accepted (here, or by a driver that queues them)."""
+        self.counters.submitted += n
 
     def cancel(self, request_id: str) -> None:
         """Remove the request at the next step; its KV is freed (unknown ids are ignored)."""
@@ -163,10 +121,14 @@ class EngineCore:
     # -- stepping ----------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         """Apply what was added and cancelled since the last step and run at most one round."""
-        plan = Plan(tuple(self._arrivals), tuple(self._cancels), closing=self.closing,
-                    abandon=self.closing and not self.drain)
+        plan = self.plan(self._arrivals, self._cancels)
         self._arrivals, self._cancels = [], []
         return self.apply(plan)
+
+    def plan(self, arrivals, cancels, more_coming: bool = False) -> Plan:
+        """The next plan: these arrivals and cancels, and whether the core is closing."""
+        return Plan(tuple(arrivals), tuple(cancels), closing=self.closing,
+                    abandon=self.closing and not self.drain, more_coming=more_coming)
 
     def apply(self, plan: Plan) -> list[StepEvent]:
         """Run one plan cut elsewhere (an Engine's inbox, a driver rank's message)."""
@@ -174,15 +136,13 @@ class EngineCore:
             return []
         if self.lockstep is not None:  # followers replay this plan before we run it
             self.lockstep.publish(plan, self.fingerprint())
-        for request in plan.arrivals:
-            self._events.watch(request)
         was_idle = self.runner.idle
         if not self.runner.apply(plan):
             self.closed = True
         elif self.runner.idle and not was_idle:
             self.kernels.release_memory()
         self.gauges = self.scheduler.gauges()
-        return self._events.drain()
+        return self.delivery.take_events()
 
     def close(self, drain: bool = False) -> list[StepEvent]:
         """Stop admitting; step until in-flight work is finished (``drain``) or cancelled;
@@ -212,11 +172,10 @@ class EngineCore:
         log.error("engine_failed", error=error)
         failed = self.runner.fail_all(error)
         for request in unseen:
-            self._events.watch(request)
             request.abort("error", error)
             failed.append(request)
         self.book(failed)
-        return self._events.drain()
+        return self.delivery.take_events()
 
     def book(self, finished: list[Request]) -> None:
         """Close out requests that left the engine: the final event of any that ended

@@ -3,7 +3,8 @@
 Data flows one way: ``submit`` validates (the core's rules) and queues a request; the
 engine thread cuts a ``Plan`` from what callers did since the last step and hands it to
 the core, whose state machine decides what the round is and runs it on the decode loops;
-tokens flow back to the request handles as events. Callers never block the engine thread.
+the core returns the step's events and the engine, which alone holds the handles, hands
+each to its request's handle. Callers never block the engine thread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import structlog
 from ..errors import EngineClosed
 from .config import EngineConfig
 from .core import EngineCore
+from .output import StepEvent
 from .params import SamplingParams
 from .plan import Lockstep, Plan
 from .request import Request, RequestHandle
@@ -46,6 +48,7 @@ class Engine:
         plan to follower ranks."""
         self.core = EngineCore(kernels, tokenizer, config, lockstep=lockstep)
         self.kernels, self.tokenizer, self.config = kernels, tokenizer, self.core.config
+        self._handles: dict[str, RequestHandle] = {}  # request id -> its handle, until its final event
         self._inbox: queue.SimpleQueue[list[Request] | None] = queue.SimpleQueue()  # batches of arrivals
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._on_failure: list = []
@@ -97,24 +100,28 @@ class Engine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams | dict | None = None) -> RequestHandle:
         """Queue a request and return its handle at once."""
-        request = self.prepare(prompt, params)
-        self._enqueue(request)
-        return request.handle
+        [handle] = self._enqueue(self.prepare(prompt, params))
+        return handle
 
     def submit_many(self, prompts: list, params: SamplingParams | dict | None = None) -> list[RequestHandle]:
-        """Queue several requests as one arrival: the next drain sees them all together."""
-        requests = [self.prepare(p, params) for p in prompts]  # all valid, or none queued
-        self._enqueue(*requests)
-        return [r.handle for r in requests]
+        """Queue several requests as one arrival: the next step admits them together."""
+        return self._enqueue(*[self.prepare(p, params) for p in prompts])  # all valid, or none queued
 
-    def _enqueue(self, *requests: Request) -> None:
+    def _enqueue(self, *requests: Request) -> list[RequestHandle]:
         if self.failure:
             raise EngineClosed(f"engine stopped: {self.failure}")
+        handles = [RequestHandle(r.id, r.params.seed, len(r.prompt)) for r in requests]
+        self._handles.update((h.request_id, h) for h in handles)
         with self._lock:
             self._in_flight_to_queue += len(requests)
             self._in_flight_tokens += sum(len(r.prompt) for r in requests)
-        self.core.counters.submitted += len(requests)
+        self.core.submitted(len(requests))
         self._inbox.put(list(requests))
+        return handles
+
+    def handle(self, request: Request | str) -> RequestHandle:
+        """The handle of a queued request that has not finished yet."""
+        return self._handles[request if isinstance(request, str) else request.id]
 
     async def stream(self, prompt, params=None):
         """``async for event in engine.stream(...)``; cancels the request if abandoned."""
@@ -131,11 +138,10 @@ class Engine:
         """Queue prepared requests as one arrival (the next step admits them together);
         one async event stream each, which cancels its request if its consumer leaves."""
         loop = asyncio.get_running_loop()
-        queues = [r.handle._attach(loop) for r in requests]
-        self._enqueue(*requests)
-        return [self._events(r, q) for r, q in zip(requests, queues)]
+        handles = self._enqueue(*requests)
+        return [self._events(h, h._attach(loop)) for h in handles]
 
-    async def _events(self, request: Request, events):
+    async def _events(self, handle: RequestHandle, events):
         try:
             while True:
                 event = await events.get()
@@ -143,8 +149,8 @@ class Engine:
                 if event.finish_reason is not None:
                     return
         finally:
-            if not request.handle.done:
-                self.cancel(request.handle)
+            if not handle.done:
+                self.cancel(handle)
 
     def cancel(self, handle: RequestHandle | str) -> None:
         """Remove the request at the next round boundary; its KV is freed."""
@@ -185,14 +191,12 @@ class Engine:
         cancels = []
         while not self._cancels.empty():
             cancels.append(self._cancels.get_nowait())
-        core = self.core
-        return Plan(tuple(arrivals), tuple(cancels), closing=core.closing,
-                    abandon=core.closing and not core.drain, more_coming=not self._inbox.empty())
+        return self.core.plan(arrivals, cancels, more_coming=not self._inbox.empty())
 
     def _run(self) -> None:
         try:
             while not self.core.closed:
-                self.core.apply(self._intake(block=self.core.idle))  # handles got the events
+                self._dispatch(self.core.apply(self._intake(block=self.core.idle)))
         except Exception as exc:  # only errors no round can recover from get here
             lockstep = self.core.lockstep
             lost = lockstep is not None and lockstep.is_fatal(exc)
@@ -209,9 +213,24 @@ class Engine:
                 unseen += self._inbox.get_nowait() or []
         except queue.Empty:
             pass
-        self.core.fail(error, unseen)
+        self._dispatch(self.core.fail(error, unseen))
         for callback in list(self._on_failure):
             callback(error)
+
+    def _dispatch(self, events: list[StepEvent]) -> None:
+        """Each request's events of a step to its handle; a final one completes it first
+        (so whoever sees that event finds the result ready) and the engine lets go."""
+        for step in events:
+            handle = self._handles.get(step.request_id)
+            if handle is None:
+                continue
+            *tokens, last = step.events
+            for event in tokens:
+                handle._push(event)
+            if step.finish_reason is not None:
+                handle._complete(step.completion)
+                self._handles.pop(step.request_id, None)
+            handle._push(last)
 
     def on_failure(self, callback) -> None:
         """Call ``callback(error)`` if the engine stops on an unrecoverable error."""

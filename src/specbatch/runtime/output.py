@@ -1,11 +1,12 @@
 """What a round produced, and the core's output stage that turns it into events.
 
-Loops return a ``RoundOutput``: per row, the token ids the round appended and whether the
-ids alone ended the request (EOS, a stop token, its budget), plus a verify round's
-``RoundResult``. ``Delivery`` (owned by the core) then, in this order: detokenises each
-row and applies stop strings (which may end a row earlier in its run), records the
-statistics, and closes finished requests (their ``Completion``, then the final event).
-Closing after the statistics is what puts a row's last verify round in its completion.
+Loops return a ``RoundOutput``: per row, the token ids the round recorded (each with its
+text, already cut at a stop string by ``Request.append``) and whether one ended the
+request, plus a verify round's ``RoundResult``. ``Delivery`` (owned by the core) then, in
+this order: records the statistics and closes finished requests (their ``Completion``,
+then the final event). Closing after the statistics is what puts a row's last verify
+round in its completion. A step's events leave through ``take_events`` as one
+``StepEvent`` per request: the core returns them, and only ``Engine`` hands them to handles.
 """
 
 from __future__ import annotations
@@ -14,15 +15,42 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from .params import TokenLogprob
+from .request import Completion, TokenEvent
+
 if TYPE_CHECKING:
     from .request import Request
     from .stats import EngineStats
 
 
+@attrs.frozen
+class StepEvent:
+    """What one request produced in one step: its new tokens and their text; the last
+    event of a request carries ``finish_reason`` (and ``error``, ``completion``)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+    completion: Completion | None = None  # the whole result, on the last event only
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids, when the request asked
+    events: tuple[TokenEvent, ...] = ()  # per token (and a final one without a token): what a handle streams
+
+    @classmethod
+    def of(cls, events: list[TokenEvent], completion: Completion | None) -> "StepEvent":
+        last = events[-1]
+        lps = [e.logprob for e in events if e.logprob is not None]
+        return cls(last.request_id, [e.token for e in events if e.token is not None],
+                   "".join(e.text for e in events), last.finish_reason, last.error,
+                   completion if last.finish_reason is not None else None, lps or None, tuple(events))
+
+
 @attrs.define(eq=False)
 class RowOutput:
     request: Request
-    tokens: list[int] = attrs.field(factory=list)  # appended this call, in order
+    tokens: list[int] = attrs.field(factory=list)  # recorded this call, in order
+    texts: list[str] = attrs.field(factory=list)  # parallel to tokens: each one's text
     logprobs: list = attrs.field(factory=list)  # parallel to tokens: TokenLogprob, or None (not asked)
     finished: bool = False  # one of them ended the request
 
@@ -38,18 +66,20 @@ class RoundOutput:
     done: list = attrs.field(factory=list)  # requests that left without joining (admission)
 
     def emit(self, request: Request, token: int, logprob=None) -> bool:
-        """Append ``token`` (with its ``TokenLogprob`` if the request asked) to the request;
-        True when the ids alone end it."""
+        """Record ``token`` (with its ``TokenLogprob`` if the request asked) on the request;
+        True when it ended it (the loop emits nothing after it)."""
         row = self.rows.setdefault(request.id, RowOutput(request))
+        row.texts.append(request.append(token, logprob))
         row.tokens.append(token)
         row.logprobs.append(logprob)
-        row.finished = request.append(token)
+        row.finished = request.finished
         return row.finished
 
     def merge(self, other: RoundOutput) -> RoundOutput:
         for rid, row in other.rows.items():
             mine = self.rows.setdefault(rid, RowOutput(row.request))
             mine.tokens += row.tokens
+            mine.texts += row.texts
             mine.logprobs += row.logprobs
             mine.finished = row.finished
         if other.verify is not None:
@@ -60,65 +90,47 @@ class RoundOutput:
 
 
 class Delivery:
-    """The core's output stage: text, stop strings, statistics, completions, events."""
+    """The core's output stage: statistics, completions, a step's events."""
 
     def __init__(self, counters: EngineStats):
         self.counters = counters
+        self._events: dict[str, list[TokenEvent]] = {}  # request id -> this step's, first seen first
+        self._completions: dict[str, Completion] = {}
 
-    def __call__(self, out: RoundOutput) -> None:
-        texts = {rid: self._detokenise(row) for rid, row in out.rows.items()}
+    def __call__(self, out: RoundOutput | None) -> None:
+        if out is None:
+            return
         if out.round:
             self.counters.rounds += 1
         if out.verify is not None:
             self.counters.record_round(out.verified, out.verify)
-        for rid, row in out.rows.items():
-            request, pieces = row.request, texts[rid]
-            for i, (token, text) in enumerate(pieces):
-                logprob = row.logprobs[i]
-                if logprob is not None:  # only delivered tokens: a stop string cut the rest
-                    request.logprobs.append(logprob)
-                if i == len(pieces) - 1 and request.finished:
+        for row in out.rows.values():
+            request, n = row.request, len(row.tokens)
+            for i, (token, text, logprob) in enumerate(zip(row.tokens, row.texts, row.logprobs)):
+                index = request.emitted - n + i
+                if i == n - 1 and request.finished:
                     self.close(request, token, text, logprob)
                 else:
-                    request.handle._push(_event(request, request.emitted - len(pieces) + i, token, text, logprob))
-
-    def _detokenise(self, row: RowOutput) -> list[tuple[int, str]]:
-        """Each new token's text; a stop string ends the row at the token that completes it
-        (the ids after it in this round's run are dropped: they never went out)."""
-        request, pieces = row.request, []
-        for i, token in enumerate(row.tokens):
-            try:
-                pieces.append((token, request.stream.add(token)))
-            except Exception as exc:  # a detokeniser failure fails this request only
-                del request.tokens[len(request.tokens) - len(row.tokens) + i + 1:]
-                request.finish_reason, request.error = "error", f"detokenisation failed: {exc}"
-                pieces.append((token, ""))
-                return pieces
-            if request.stream.stopped:
-                del request.tokens[len(request.tokens) - len(row.tokens) + i + 1:]
-                request.finish_reason = "stop"
-                break
-        if request.finished and request.finish_reason != "error" and pieces:
-            token, text = pieces[-1]
-            pieces[-1] = (token, text + request.stream.finish())
-        return pieces
+                    self._add(TokenEvent(request.id, index, token, text, None, None, logprob))
 
     def close(self, request: Request, token: int | None = None, text: str | None = None,
               logprob=None) -> None:
-        """Complete a finished request, then push its last event (so whoever sees that
-        event finds the result ready). Closing twice does nothing."""
-        if request.handle.done:
+        """Complete a finished request, then its last event (so whoever sees that event
+        finds the result ready). Closing twice does nothing."""
+        if request.closed:
             return
+        request.closed = True
         if text is None:  # it ended without a token: a cancel, an error
-            text = request.stream.finish() if request.finish_reason != "error" else ""
-        request.handle._complete(request.completion())
+            text = request.flush()
+        self._completions[request.id] = request.completion()
         index = request.emitted - 1 if token is not None else request.emitted
-        request.handle._push(_event(request, index, token, text, logprob))
+        self._add(TokenEvent(request.id, index, token, text, request.finish_reason, request.error, logprob))
 
+    def _add(self, event: TokenEvent) -> None:
+        self._events.setdefault(event.request_id, []).append(event)
 
-def _event(request: Request, index: int, token: int | None, text: str, logprob=None):
-    from .request import TokenEvent
-
-    last = request.finished and (token is None or index == request.emitted - 1)
-    reason = request.finish_reason if last else None
-    return TokenEvent(request.id, index, token, text, reason, request.error if last else None, logprob)
+    def take_events(self) -> list[StepEvent]:
+        """This step's events, one ``StepEvent`` per request, and forget them."""
+        events, self._events = self._events, {}
+        completions, self._completions = self._completions, {}
+        return [StepEvent.of(evs, completions.get(rid)) for rid, evs in events.items()]

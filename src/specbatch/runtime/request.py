@@ -1,6 +1,6 @@
 """A request's life on the engine side, and the handle its submitter holds.
 
-Vocabulary: a request's *emitted* count is how many tokens went out to its handle;
+Vocabulary: a request's *emitted* count is how many tokens it has recorded (each goes out);
 output position ``p`` is the index of a token in that stream (the first generated token
 is position 0). A request *finishes* exactly once, with a reason: "stop" (EOS, a stop
 token or a stop string), "length" (budget), "cancelled" or "error".
@@ -83,12 +83,9 @@ class RequestHandle:
         self._completion: Completion | None = None
         self._consumed_final = False
         self._listeners: list = []
-        self._observers: list = []  # callables an engine core uses to gather a step's events
 
-    # engine side ----------------------------------------------------------------------
+    # engine side (``Engine`` alone dispatches to handles) ---------------------------------
     def _push(self, event: TokenEvent) -> None:
-        for observe in self._observers:
-            observe(event)
         self._events.put(event)
         for loop, aqueue in self._listeners:
             try:
@@ -128,13 +125,15 @@ class RequestHandle:
 class Request:
     """Engine-side data of one request (owned by the engine thread).
 
-    Loops append generated ids (``append``); the core's output stage turns them into
-    text and events and completes the request; nothing here pushes to the handle."""
+    One writer per field: ``append`` records a generated id with its text and logprob and
+    ends the request where the id or the text says (EOS, a stop token or string, the
+    budget); ``abort`` ends it without one; the machine clears ``retire`` on a preempt;
+    the plan runner sets ``cancel_requested``; the statistics count ``spec``; the core's
+    output stage sets ``closed`` once the final event is out. Nobody truncates ``tokens``."""
 
     prompt: list[int]
     params: SamplingParams
     stream: TextStream
-    handle: RequestHandle
     eos_ids: frozenset[int]
     id: str = attrs.field(factory=lambda: f"req-{next(_ids)}")
     tokens: list[int] = attrs.field(factory=list)
@@ -147,18 +146,16 @@ class Request:
     last_token_at: float | None = None
     gaps: list[float] = attrs.field(factory=list)  # inter-token latencies, seconds
     spec: SpecStats = attrs.field(factory=SpecStats)
-    logprobs: list[TokenLogprob] = attrs.field(factory=list)  # delivered tokens' (the core's output stage)
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)  # per token, when the request asked
+    closed: bool = False  # its final event went out (the core's output stage)
 
     @classmethod
     def create(cls, prompt: list[int], params: SamplingParams, tokenizer,
                request_id: str | None = None) -> "Request":
-        """A request and its handle (``params`` must carry its seed already); ``request_id``:
-        reuse an id given elsewhere (a follower rank mirrors the driver's)."""
-        handle = RequestHandle("", params.seed, len(prompt))
-        request = cls(prompt, params, TextStream(tokenizer, params.stop), handle,
-                      frozenset(tokenizer.eos_token_ids), **({"id": request_id} if request_id else {}))
-        handle.request_id = request.id
-        return request
+        """A request (``params`` must carry its seed already); ``request_id``: reuse an id
+        given elsewhere (a follower rank mirrors the driver's)."""
+        return cls(prompt, params, TextStream(tokenizer, params.stop), frozenset(tokenizer.eos_token_ids),
+                   **({"id": request_id} if request_id else {}))
 
     @property
     def emitted(self) -> int:
@@ -172,9 +169,11 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int) -> bool:
-        """Record one generated id; True when the ids alone end the request (EOS, a stop
-        token, the budget). Text and stop strings are the core's (``output.Delivery``)."""
+    def append(self, token: int, logprob: TokenLogprob | None = None) -> str:
+        """Record one generated id (and its logprob, where asked) and return its text: the
+        detokenised delta, all that is left once the request ends. A stop string ends the
+        request at the id that completes it, as EOS, a stop token or the budget do; a
+        detokeniser failure ends it with an error."""
         if self.finished:
             raise RuntimeError(f"{self.id}: token after finish")
         now = time.perf_counter()
@@ -184,16 +183,28 @@ class Request:
             self.gaps.append(now - self.last_token_at)
         self.last_token_at = now
         self.tokens.append(token)
-        if (token in self.eos_ids and not self.params.ignore_eos) or token in self.params.stop_token_ids:
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        try:
+            text = self.stream.add(token)
+        except Exception as exc:  # a detokeniser failure fails this request only
+            self.finish_reason, self.error = "error", f"detokenisation failed: {exc}"
+            return ""
+        if self.stream.stopped or (token in self.eos_ids and not self.params.ignore_eos) \
+                or token in self.params.stop_token_ids:
             self.finish_reason = "stop"
         elif self.remaining <= 0:
             self.finish_reason = "length"
-        return self.finished
+        return text + self.stream.finish() if self.finished else text
 
     def abort(self, reason: str, error: str | None = None) -> None:
         """End without a token (cancel or error); the core closes it with a final event."""
         if not self.finished:
             self.finish_reason, self.error = reason, error
+
+    def flush(self) -> str:
+        """The text still held back (a partial stop string, partial bytes), once it ended without a token."""
+        return self.stream.finish() if self.finish_reason != "error" else ""
 
     def completion(self) -> Completion:
         """The whole result as it stands (the core takes it once the request has ended)."""

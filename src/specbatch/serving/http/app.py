@@ -116,21 +116,21 @@ class API:
                       self.fingerprint, parsed.include_usage,
                       LogprobFormat(self.engine.tokenizer, chat) if wants else None, self.echo_text(parsed))
         streams = self.engine.stream_requests(reqs)  # one arrival: prefilled and decoded together
+        handles = [self.engine.handle(r) for r in reqs]
         events = merge(streams)
 
         async def close():  # whatever ended the response: the engine stops its work, the drain forgets it
             await events.aclose()
             for stream in streams:
                 await stream.aclose()
-            for req in reqs:
-                if not req.handle.done:
-                    self.engine.cancel(req.handle)
+            for req, handle in zip(reqs, handles):
+                if not handle.done:
+                    self.engine.cancel(handle)
                     log.info("request_abandoned", request=req.id, reason=watch.reason or "handler_ended")
             self.drain.close(watch)
 
         # replays an unseeded request exactly (one seed per completion)
         headers = {"x-request-seed": ",".join(str(r.params.seed) for r in reqs)}
-        handles = [r.handle for r in reqs]
         if parsed.stream:
             return EventStream(sse(events, reply, handles), watch, close, headers)
         listener = asyncio.ensure_future(watch.listen(request.receive))
