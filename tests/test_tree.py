@@ -151,10 +151,9 @@ def test_kv_check_catches_a_missing_compaction(tiny, monkeypatch):
     """The KV test can fail: with compaction reduced to a trim, the KV differs from plain."""
     import specbatch.kernels.loops.tree as tree_loop
 
-    def trim_only(cache, root, path):
-        for c in cache:
-            c.offset = root + len(path) + 1
-    monkeypatch.setattr(tree_loop, "compact", trim_only)
+    def trim_only(kv, roots, paths):  # the scalar loop's SingleKV compacts as a batch cache's row does
+        kv.trim_rows([n - (r + len(p) + 1) for n, r, p in zip(kv.lengths(), roots, paths)])
+    monkeypatch.setattr(tree_loop, "compact_rows", trim_only)
     prompt = [5, 9, 13, 5, 9, 17, 5, 9]
     request = make_request(tiny, prompt, max_tokens=8)
     runner = ModelRunner(tiny.model)

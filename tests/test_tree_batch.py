@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tree import SHAPES, assert_kv_equal, plain_kv
 
-import specbatch.kernels.loops.batch as batch_loop
+import specbatch.kernels.loops.round as round_body
 from specbatch import SamplingParams
 from specbatch.kernels.drafters.base import DraftTree
 from specbatch.kernels.drafters.mtp import MTPDrafter
@@ -47,7 +47,7 @@ def test_batched_tree_streams_equal_plain_on_the_fake_kernel(fakes, shape, k, ro
     target, _ = fakes
     prompts = prompts_for(salt, rows, 10)
     params = [dict(max_tokens=budgets[i], temperature=temps[i], seed=seed + i, ignore_eos=True) for i in range(rows)]
-    with mock.patch.object(batch_loop, "tree_round", wraps=batch_loop.tree_round) as spy:
+    with mock.patch.object(round_body, "tree_round", wraps=round_body.tree_round) as spy:
         got, rounds = run_batch(target, NGramSource(512), prompts, k, params=params, kv_layout=layout,
                                 tree=BatchTree(shape, max_width=4))
     assert got == [run_plain(target, p, **params[i]) for i, p in enumerate(prompts)]
@@ -209,7 +209,7 @@ def test_mtp_batched_tree_streams_and_kv_on_tiny_models(tiny, mtp_head, layout, 
     prompts = [[5, 9, 13, 5, 9, 17, 5, 9], [7, 21, 8, 7, 21, 9], [3, 3, 4, 11]]
     params = [dict(max_tokens=n, temperature=temperature, seed=s) for n, s in ((18, 1), (12, 2), (7, 3))]
     checked = []
-    with mock.patch.object(batch_loop, "tree_round", wraps=batch_loop.tree_round) as spy:
+    with mock.patch.object(round_body, "tree_round", wraps=round_body.tree_round) as spy:
         got, rounds = run_batch(tiny, mtp_head, prompts, 3, params=params, kv_layout=layout,
                                 tree=BatchTree(shape, max_width=3), check=check_kv(tiny, checked))
     assert got == [run_plain(tiny, p, **params[i]) for i, p in enumerate(prompts)]
@@ -229,7 +229,7 @@ def test_batch_tree_config_width_and_temperature_limits(fakes):
     for temps in ([0.0, 0.0], [0.0] * 5, [0.0, 0.9, 0.0], [0.9, 0.0]):
         jobs = [([(7 * i) % 97 + 3, 5, 9, 5, 9], SamplingParams(max_tokens=10 + 3 * i, temperature=t, seed=i,
                                                                 ignore_eos=True)) for i, t in enumerate(temps)]
-        with mock.patch.object(batch_loop, "tree_round", wraps=batch_loop.tree_round) as spy:
+        with mock.patch.object(round_body, "tree_round", wraps=round_body.tree_round) as spy:
             with new_core(target, NGramSource(512), config) as core:
                 run, ids = drive(core, {0: jobs[:1], 1: jobs[1:]})
         for call in spy.call_args_list:  # (target, kv, drafter, pending, prev, rows, starts, shape)

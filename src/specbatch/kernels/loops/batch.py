@@ -31,10 +31,10 @@ from ..drafters.base import Capture
 from ..kv import BatchKV
 from ..logprobs import gather, read, sample_read
 from ..paged_kv import KVLayout
-from ..runner import TargetRunner, prefill, prefill_batch
+from ..runner import TargetRunner, prefill_batch
 from ..sampling import RowSampling, positions_from, sample
-from .tree import tree_capable, tree_round
-from .verify import bonus_hidden, last_hidden, spec_round
+from .round import advance, first_token, speculate
+from .verify import last_hidden
 
 log = structlog.get_logger(__name__)
 
@@ -76,14 +76,10 @@ class BatchLoop:
         while the batch stays within the cap."""
         assert self.settled, "admit only between settled rounds"
         single = cache if cache is not None else self.target.make_cache()
-        if logits is None:
-            have = single[0].offset if single and single[0].keys is not None else 0
-            logits = prefill(self.target, request.prompt[have:], single)  # [1, V]
-            hidden = last_hidden(self.target)
         rows = RowSampling.of([request.params], [request.tokens])
-        [[first]], [lps] = sample_read(logits[:, None, :], rows, positions_from([0], 1))
+        first, logprob, hidden = first_token(self.target, request, single, rows, logits, hidden)
         out = RoundOutput()
-        if not out.emit(request, first, lps and lps[0]):
+        if not out.emit(request, first, logprob):
             self.add_row(Row(request, first, request.prompt[-1]), BatchKV.from_singles(single), hidden)
         return out
 
@@ -152,29 +148,17 @@ class BatchLoop:
         back per row (plain where it drafts nothing)."""
         assert self.settled and self.armed
         decision = decision.within(max(r.request.remaining for r in self.rows) - 1)
-        k = decision.k
         if decision.plain:
             return self.plain_round(successor=False)
-        pending, prev, starts = [r.pending for r in self.rows], [r.prev for r in self.rows], \
-            [r.request.emitted for r in self.rows]
-        # a tree's node paths are not counted by penalties: a batch with a penalized row drafts chains
-        treeable = tree_capable(self.drafter, self.width) and not self._rows_sampling().penalized
-        shape = decision.tree if treeable else None
-        if shape is not None:  # the tree round compacts the KV and commits the drafter itself
-            result = tree_round(self.target, self.kv, self.drafter, pending, prev, self._rows_sampling(), starts,
-                                shape, coupled=False)
-        else:
-            result = spec_round(self.target, self.kv.layers, self.drafter, pending, prev, self._rows_sampling(),
-                                starts, k, self.verify, coupled=False)
-            back = [k - a for a in result.accepted]
-            self.kv.trim_rows(back)
-            self.drafter.rollback(back, hidden=bonus_hidden(self.target, result.accepted))
+        result = speculate(self.target, self.kv, self.drafter, [r.pending for r in self.rows],
+                           [r.prev for r in self.rows], self._rows_sampling(), [r.request.emitted for r in self.rows],
+                           decision, self.verify, coupled=False)
         out = RoundOutput(verify=result, verified=[r.request for r in self.rows], round=True)
         for i, (row, run) in enumerate(zip(self.rows, result.emitted)):
             for token, logprob in zip(run, result.row_logprobs(i)):
                 if out.emit(row.request, token, logprob):
                     break  # finished inside the accepted run: nothing after it
-            row.prev, row.pending = (run[-2] if len(run) > 1 else row.pending), run[-1]
+            row.prev, row.pending = advance(row.prev, row.pending, run)
         return out
 
     def reap(self) -> list[Request]:

@@ -18,10 +18,11 @@ from ...runtime.output import RoundOutput
 from ...runtime.policy import PLAIN, Decision
 from ...runtime.request import Request
 from ..logprobs import sample_read
-from ..runner import TargetRunner, prefill
+from ..runner import TargetRunner
 from ..sampling import RowSampling, positions_from
-from .tree import tree_capable, tree_round
-from .verify import RoundResult, bonus_hidden, last_hidden, spec_round
+from ..single_kv import SingleKV
+from .round import advance, first_token, speculate
+from .verify import RoundResult
 
 
 @attrs.frozen
@@ -47,7 +48,7 @@ class ScalarLoop:
 
     def __init__(self, target: TargetRunner, drafter, request: Request, verify: str = "coupled"):
         self.target, self.drafter, self.request, self.verify = target, drafter, request, verify
-        self.cache = target.make_cache()
+        self.kv = SingleKV(target.make_cache())
         self._buffer: collections.deque[tuple] = collections.deque()  # (token, TokenLogprob | None)
         self._rows = RowSampling.of([request.params], [request.tokens])
         self.pending = self.prev = -1
@@ -58,17 +59,18 @@ class ScalarLoop:
         copy of the history. ``logits`` ``[1, V]`` (and ``hidden``): the prompt is all in
         ``cache`` already (a chunked prefill), so nothing is prefilled here."""
         if cache is not None:
-            self.cache = cache
-        if logits is None:
-            have = self.cache[0].offset if self.cache[0].keys is not None else 0
-            logits = prefill(self.target, self.request.prompt[have:], self.cache)
-            hidden = last_hidden(self.target)
-        [[first]], [lps] = sample_read(logits[:, None, :], self._rows, positions_from([0], 1))
+            self.kv = SingleKV(cache)
+        first, logprob, hidden = first_token(self.target, self.request, self.cache, self._rows, logits, hidden)
         self.prev, self.pending = self.request.prompt[-1], first
         out = RoundOutput()
-        if not out.emit(self.request, first, lps and lps[0]) and self.drafter is not None:
+        if not out.emit(self.request, first, logprob) and self.drafter is not None:
             self.drafter.add_rows([self.request.prompt + [first]], hidden=hidden)
         return out
+
+    @property
+    def cache(self) -> list:
+        """The target's single-sequence caches, one per layer."""
+        return self.kv.layers
 
     @property
     def finished(self) -> bool:
@@ -92,7 +94,7 @@ class ScalarLoop:
         return out
 
     def memory(self) -> dict:
-        kv = sum(c.nbytes for c in self.cache)
+        kv = self.kv.nbytes
         return {"kv_bytes": kv, "kv_used_bytes": kv,
                 "drafter_kv_bytes": self.drafter.nbytes() if self.drafter else 0}
 
@@ -100,20 +102,10 @@ class ScalarLoop:
         if self.drafter is None or decision.plain:
             self._plain()
             return
-        k = decision.k
-        # a tree's node paths are not counted by penalties: penalized rows draft chains
-        if decision.tree is not None and not self._rows.penalized and tree_capable(self.drafter):
-            result = tree_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
-                                [self.request.emitted], decision.tree)
-        else:
-            result = spec_round(self.target, self.cache, self.drafter, [self.pending], [self.prev], self._rows,
-                                [self.request.emitted], k, self.verify, coupled=True)
-            a = result.accepted[0]
-            for c in self.cache:
-                c.trim(k - a)
-            self.drafter.rollback([k - a], hidden=bonus_hidden(self.target, result.accepted))
+        result = speculate(self.target, self.kv, self.drafter, [self.pending], [self.prev], self._rows,
+                           [self.request.emitted], decision, self.verify, coupled=True)
         run = result.emitted[0]
-        self.prev, self.pending = (run[-2] if len(run) > 1 else self.pending), run[-1]
+        self.prev, self.pending = advance(self.prev, self.pending, run)
         self._buffer.extend(zip(run, result.row_logprobs(0)))
         self.last_round = result
 

@@ -18,10 +18,9 @@ import numpy as np
 import structlog
 
 from ..drafters.base import DraftTree
-from ..kv import BatchKV
 from ..logprobs import gather, read
 from ..sampling import RowSampling, perturbed, sample
-from ..tree_attention import compact, compact_rows
+from ..tree_attention import compact_rows
 from ...runtime.tree_shape import TreeShape, walk
 from .verify import RoundResult
 
@@ -69,26 +68,22 @@ def pack(trees: list[DraftTree]) -> tuple[mx.array, mx.array, mx.array]:
 
 def tree_round(target, kv, drafter, pending: list[int], prev: list[int], rows: RowSampling, starts: list[int],
                shape: TreeShape, coupled: bool = True) -> RoundResult:
-    """One round over a ``shape`` tree per row. ``kv``: the scalar loop's single-sequence
-    layer caches, or the batch loop's ``BatchKV``; it ends holding each row's root and
-    accepted path, exactly, and the drafter is committed to the paths. Coupled (one row):
-    children by the target's own noise; else greedy top-b."""
-    B = len(pending)
-    layers = kv.layers if isinstance(kv, BatchKV) else kv
+    """One round over a ``shape`` tree per row. ``kv``: the loop's cache (a ``SingleKV`` or
+    a ``BatchKV``, dense or paged); it ends holding each row's root and accepted path,
+    exactly, and the drafter is committed to the paths. Coupled (one row): children by the
+    target's own noise; else greedy top-b."""
+    B, layers = len(pending), kv.layers
     choose = top_chooser(rows, starts[0]) if coupled and B == 1 else top_chooser(greedy_rows(B), 0)
     trees = drafter.draft_trees(mx.array(prev, dtype=mx.int32), mx.array(pending, dtype=mx.int32), shape, choose,
                                 context=layers)
     tokens, depths, visible = pack(trees)  # [B, N], [B, N], [B, N, N]
-    roots = kv.lengths() if isinstance(kv, BatchKV) else [layers[0].offset]  # the roots' RoPE positions
+    roots = kv.lengths()  # the roots' RoPE positions
     logits = target.forward_tree(tokens, layers, mx.array(roots)[:, None] + depths, visible)  # [B, N, V]
     sampled = sample(logits, rows, mx.array(starts)[:, None] + depths)  # [B, N]: the target's token after each node
     toks, lps = read(sampled, gather(logits, sampled, rows.logprobs), tokens)  # the one sync
     drafted = tokens.tolist()
     paths = [walk(t.layout, drafted[b][:t.layout.size], toks[b]) for b, t in enumerate(trees)]
-    if isinstance(kv, BatchKV):
-        compact_rows(kv, roots, paths)
-    else:
-        compact(layers, roots[0], paths[0])
+    compact_rows(kv, roots, paths)
     last = [p[-1] if p else 0 for p in paths]
     hidden = target.hidden  # [B, N, D]
     drafter.commit_trees(paths, hidden=None if hidden is None else hidden[mx.arange(B), mx.array(last)])
