@@ -290,7 +290,7 @@ def test_trace_draws_the_path_a_run_took(tmp_path):
     events = [{"event": "transition", "source": "Idle", "dest": "Scalar", "trigger": "start_scalar"},
               {"event": "admit", "request": "req-1"},
               {"event": "transition", "source": "Scalar", "dest": "Batched", "trigger": "preempt"},
-              {"event": "transition", "source": "Batched", "dest": "Idle", "trigger": "drain"}]
+              {"event": "transition", "source": "Batched", "dest": "Idle", "trigger": "finish"}]
     log.write_text("\n".join(json.dumps(e) for e in events) + "\nnot json\n")
     chart = trace(log)
     assert "Scalar --> Batched: preempt x1" in chart
@@ -320,7 +320,7 @@ def test_the_chart_draws_the_capture_round_and_each_states_order():
     chart = CHART.read_text()
     assert "Batched --> Batched: capture [unarmed]" in chart
     assert "Gated --> Batched: rearm [rearm_pays]" in chart
-    assert "%% Gated: inject > count_calm > drain? > rearm? > prefill > plain_round > reap" in chart
-    # the injection drain comes before a pending re-arm or capture: arrivals gate first
+    assert "%% Gated: inject > count_calm > finish? > rearm? > prefill > plain_round > reap" in chart
+    # injection comes before a pending re-arm or capture: arrivals gate first
     assert ROUNDS["Gated"].index("inject") < ROUNDS["Gated"].index("rearm")
     assert ROUNDS["Batched"].index("gate") < ROUNDS["Batched"].index("capture")

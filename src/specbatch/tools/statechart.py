@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..runtime.machine import GUARDS, ROUNDS, STATES, TRANSITIONS, build_machine
+from ..runtime.machine import ROUNDS, STATES, TRANSITIONS, TRIGGERS, build_machine
 
 CHART = Path("statecharts") / "machine.mmd"
 
@@ -38,7 +38,7 @@ def render() -> str:
         notes.append(f"  %% {trigger} ({'/'.join(source) if isinstance(source, list) else source} -> {dest}): {why}")
     notes += ["", "  %% Each state's round, in order (machine.ROUNDS); a trigger? that fires ends the round:"]
     for state, steps in ROUNDS.items():
-        notes.append(f"  %% {state}: " + " > ".join(f"{s}?" if s in GUARDS else s for s in steps))
+        notes.append(f"  %% {state}: " + " > ".join(f"{s}?" if s in TRIGGERS else s for s in steps))
     return "\n".join(lines + notes) + "\n"
 
 
