@@ -292,9 +292,9 @@ def test_calibration_picks_the_largest_chunk_within_the_gap_and_load_pair_uses_i
     target = load_pair(str(model_dir["llama"]), speculation=False)[0]
     args = argparse.Namespace(prefill_chunks="4,8", prefill_context=16, prefill_gap=1e9, repeats=1)
     assert calibrate_prefill(target, args) == 8  # an unbounded gap: the largest size
-    assert load_pair(str(model_dir["llama"]), speculation=False)[2].prefill_chunk == 8
-    assert load_pair(str(model_dir["llama"]), speculation=False, prefill_chunk=32)[2].prefill_chunk == 32
-    assert load_pair(str(model_dir["llama"]), drafter="ngram")[2].prefill_chunk == 8  # per target, any drafter
+    assert load_pair(str(model_dir["llama"]), speculation=False)[2].prefill.prefill_chunk == 8
+    assert load_pair(str(model_dir["llama"]), speculation=False, prefill_chunk=32)[2].prefill.prefill_chunk == 32
+    assert load_pair(str(model_dir["llama"]), drafter="ngram")[2].prefill.prefill_chunk == 8  # per target, any drafter
 
 
 def test_the_cli_carries_the_chunk_flags():

@@ -237,7 +237,7 @@ def test_tree_depth_raises_the_width1_draft_length_and_config_reads_the_tree():
     raised = with_tree_depth(schedule, TreeShape([2, 1, 1]), 0.7)
     assert [b.k for b in raised.bands] == [(3, 1), (3, 0), (0, 0)]
     config = EngineConfig(tree_shape="2,1,1", tree_max_temperature=0.7, fixed_draft=True)
-    assert config.tree_shape == TreeShape([2, 1, 1]) and EngineConfig(tree_shape="1,1").tree_shape is None
+    assert config.drafts.tree_shape == TreeShape([2, 1, 1]) and EngineConfig(tree_shape="1,1").drafts.tree_shape is None
     hot, cold = (config.policy().decide([RowState((0.5,), t)]) for t in (0.9, 0.7))
     assert hot == Decision(4) and cold == Decision(3, TreeShape([2, 1, 1]))
 
@@ -252,4 +252,4 @@ def test_load_pair_reads_a_calibrated_tree(tmp_path, monkeypatch, model_dir):
     path.write_text(json.dumps({machine_key(): {pair_key(str(model_dir["llama"]), "ngram"): entry}}))
     monkeypatch.setenv("SPECBATCH_CALIBRATION", str(path))
     _, _, config = load_pair(str(model_dir["llama"]), drafter="ngram")
-    assert config.tree_shape == TreeShape([2, 1, 1]) and config.tree_max_temperature == 0.0
+    assert config.drafts.tree_shape == TreeShape([2, 1, 1]) and config.drafts.tree_max_temperature == 0.0

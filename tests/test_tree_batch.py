@@ -220,7 +220,7 @@ def test_batch_tree_config_width_and_temperature_limits(fakes):
     """Trees only at widths 2 .. max_width and while no row is hotter than the limit;
     through the machine (preempt, gate, re-arm unchanged), every stream equals plain."""
     target, _ = fakes
-    assert EngineConfig(batch_tree={"shape": "2,1", "max_width": 3}).batch_tree == BatchTree("2,1", 3)
+    assert EngineConfig(batch_tree={"shape": "2,1", "max_width": 3}).drafts.batch_tree == BatchTree("2,1", 3)
     assert BatchTree.of(BatchTree("2,1", 3).to_json()) == BatchTree("2,1", 3)
     with pytest.raises(ValueError):
         BatchTree("2,1", max_width=1)
@@ -272,7 +272,7 @@ def test_batch_tree_depth_raises_the_schedule_up_to_its_width_and_load_pair_read
     path.write_text(json.dumps({machine_key(): {pair_key(str(model_dir["llama"]), "ngram"): entry}}))
     monkeypatch.setenv("SPECBATCH_CALIBRATION", str(path))
     _, _, config = load_pair(str(model_dir["llama"]), drafter="ngram")
-    assert config.batch_tree == BatchTree("3,2,1@0.1", 2, 0.0) and config.tree_shape is None
+    assert config.drafts.batch_tree == BatchTree("3,2,1@0.1", 2, 0.0) and config.drafts.tree_shape is None
 
 
 def test_a_tree_winner_must_win_again_on_fresh_prompts(monkeypatch):

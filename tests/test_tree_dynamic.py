@@ -25,7 +25,7 @@ def test_dynamic_shapes_parse_print_cut_and_configure():
     assert shape.cut(2) == TreeShape([2, 2], 0.1) and shape.nodes == 11  # the bound
     dyn_chain = TreeShape.parse("1,1,1@0.3")
     assert not dyn_chain.is_chain and TreeShape.parse("1,1,1").is_chain  # a dynamic chain stops early
-    assert EngineConfig(tree_shape="1,1,1@0.3").tree_shape == dyn_chain
+    assert EngineConfig(tree_shape="1,1,1@0.3").drafts.tree_shape == dyn_chain
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError):
             TreeShape([2, 1], bad)

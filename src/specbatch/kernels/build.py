@@ -61,7 +61,7 @@ class LoopKernels:
 
     def __attrs_post_init__(self):
         if self.chunks is None:
-            self.chunks = ChunkedPrefill(self.runner, self.config.chunked_prefill, self.prompt_cache)
+            self.chunks = ChunkedPrefill(self.runner, self.config.prefill.chunked_prefill, self.prompt_cache)
 
     @property
     def speculative(self) -> bool:
@@ -96,7 +96,7 @@ class LoopKernels:
 
     def batch(self, speculative: bool) -> BatchLoop:
         drafter = self._drafter(batch=True) if speculative else None
-        loop = BatchLoop(self.runner, drafter, self.config.verify, KVLayout(self.config.kv_layout, self.config.kv_bits))
+        loop = BatchLoop(self.runner, drafter, self.config.verify, KVLayout(self.config.memory.kv_layout, self.config.memory.kv_bits))
         loop.retire = self.prompt_cache.retire
         return loop
 
@@ -152,8 +152,8 @@ def build_kernels(target: LoadedModel, drafter=None, config: EngineConfig | None
                   drafter_factory=make_drafter) -> LoopKernels:
     """Kernels over ``target``; ``drafter``: its source, or None."""
     config = config or EngineConfig()
-    runner = ModelRunner(target.model, config.prefill_chunk)
-    return LoopKernels(target, drafter, runner, config, drafter_factory, PromptCache(config.prompt_cache_bytes),
+    runner = ModelRunner(target.model, config.prefill.prefill_chunk)
+    return LoopKernels(target, drafter, runner, config, drafter_factory, PromptCache(config.memory.prompt_cache_bytes),
                        kv_bytes_per_token(target.model))
 
 

@@ -60,26 +60,15 @@ def check_cap(value) -> int:
     return value
 
 
-@attrs.frozen(kw_only=True)
-class EngineConfig:
-    """How the engine schedules; every field has a sensible default."""
+def _group(cls):
+    """A converter: a settings group as itself, or its ``attrs.asdict`` form (over the wire)."""
+    return lambda value: cls(**value) if isinstance(value, dict) else value
 
-    speculation: bool = True
-    num_draft_tokens: int = attrs.field(default=DEFAULT_K, validator=_positive)
-    speculative_width_cap: int = attrs.field(default=DEFAULT_CAP, converter=check_cap)
-    max_batch: int = attrs.field(default=64, validator=_positive)
-    max_queue: int = attrs.field(default=1024, validator=_positive)
-    preempt: bool = attrs.field(factory=lambda: _flag("SPECBATCH_PREEMPT", "GMLX_MTP_PREEMPT"))
-    resume: bool = attrs.field(factory=lambda: _flag("SPECBATCH_RESUME", "GMLX_MTP_RESUME"))
-    rearm_min_remaining: int = attrs.field(default=8, validator=attrs.validators.ge(0))
-    rearm_patience: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # hysteresis, rounds
-    pipeline: bool = True  # plain rounds dispatch their successor before reading (async eval)
-    kv_budget_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # 0: unbounded
-    prompt_cache_bytes: int = attrs.field(default=256 << 20, validator=attrs.validators.ge(0))
-    kv_layout: str = attrs.field(default=DEFAULT_KV_LAYOUT, validator=attrs.validators.in_(KV_LAYOUTS))
-    # the batch's target KV stored quantized per token (None: the model's dtype; paged only)
-    kv_bits: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_((4, 8))))
-    verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))
+
+@attrs.frozen(kw_only=True)
+class Drafts:
+    """What the policy decides each round's draft from, and the overrides for A/B runs."""
+
     # False: the policy picks each round's draft (plain, k <= num_draft_tokens, a tree) from
     # the cost model and live acceptance; True: every speculating round drafts exactly
     # num_draft_tokens (or the tree shape), the explicit override for A/B runs
@@ -96,21 +85,75 @@ class EngineConfig:
     # the tree batches of 2 or more draft per row, and up to which width (None: chains);
     # calibrated per pair where a tree beat the chain at that width
     batch_tree: BatchTree | None = attrs.field(default=None, converter=BatchTree.of)
-    # the longest prompt + completion served (None: the model's context); a longer prompt
-    # is refused naming both lengths, a longer budget is clamped to the room left
-    max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
-    # prompt tokens per prefill forward. While requests decode, a longer prompt is prefilled
-    # one chunk between two of their rounds and joins once all of it is in; a scalar stream
-    # keeps speculating meanwhile. Calibrated per target and machine (``specbatch calibrate``)
+
+
+@attrs.frozen(kw_only=True)
+class Memory:
+    """Where the KV lives and how much of it there may be."""
+
+    kv_budget_bytes: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # 0: unbounded
+    prompt_cache_bytes: int = attrs.field(default=256 << 20, validator=attrs.validators.ge(0))
+    kv_layout: str = attrs.field(default=DEFAULT_KV_LAYOUT, validator=attrs.validators.in_(KV_LAYOUTS))
+    # the batch's target KV stored quantized per token (None: the model's dtype; paged only)
+    kv_bits: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_((4, 8))))
+
+
+@attrs.frozen(kw_only=True)
+class Prefill:
+    """Prompt tokens per prefill forward. While requests decode, a longer prompt is prefilled
+    one chunk between two of their rounds and joins once all of it is in; a scalar stream
+    keeps speculating meanwhile. Calibrated per target and machine (``specbatch calibrate``)."""
+
     prefill_chunk: int = attrs.field(default=DEFAULT_PREFILL_CHUNK, validator=_positive)
     chunked_prefill: bool = True  # False: a long arrival prefills whole at admission (live rows wait)
 
+
+@attrs.frozen(kw_only=True)
+class Rearm:
+    """When a gated batch back within the cap re-arms."""
+
+    rearm_min_remaining: int = attrs.field(default=8, validator=attrs.validators.ge(0))  # the longest row's budget left
+    rearm_patience: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # hysteresis, rounds
+
+
+GROUPS = {"drafts": Drafts, "memory": Memory, "prefill": Prefill, "rearm": Rearm}
+
+
+@attrs.frozen(kw_only=True, init=False)
+class EngineConfig:
+    """How the engine schedules; every field has a sensible default. The settings of a
+    group are given by their own names too (``EngineConfig(kv_layout="paged")``)."""
+
+    speculation: bool = True
+    num_draft_tokens: int = attrs.field(default=DEFAULT_K, validator=_positive)
+    speculative_width_cap: int = attrs.field(default=DEFAULT_CAP, converter=check_cap)
+    max_batch: int = attrs.field(default=64, validator=_positive)
+    max_queue: int = attrs.field(default=1024, validator=_positive)
+    preempt: bool = attrs.field(factory=lambda: _flag("SPECBATCH_PREEMPT", "GMLX_MTP_PREEMPT"))
+    resume: bool = attrs.field(factory=lambda: _flag("SPECBATCH_RESUME", "GMLX_MTP_RESUME"))
+    pipeline: bool = True  # plain rounds dispatch their successor before reading (async eval)
+    verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))
+    # the longest prompt + completion served (None: the model's context); a longer prompt
+    # is refused naming both lengths, a longer budget is clamped to the room left
+    max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
+    drafts: Drafts = attrs.field(factory=Drafts, converter=_group(Drafts))
+    memory: Memory = attrs.field(factory=Memory, converter=_group(Memory))
+    prefill: Prefill = attrs.field(factory=Prefill, converter=_group(Prefill))
+    rearm: Rearm = attrs.field(factory=Rearm, converter=_group(Rearm))
+
+    def __init__(self, **settings):
+        for name, group in GROUPS.items():
+            mine = {f.name: settings.pop(f.name) for f in attrs.fields(group) if f.name in settings}
+            whole = _group(group)(settings.pop(name, None) or group())
+            settings[name] = attrs.evolve(whole, **mine) if mine else whole
+        self.__attrs_init__(**settings)
+
     def policy(self) -> SpecPolicy:
         """The speculation policy these settings describe (the one place a draft is decided)."""
-        return SpecPolicy(prior=self.prior, max_k=self.num_draft_tokens, speculation=self.speculation,
-                          fixed=self.fixed_draft, cap=self.speculative_width_cap,
-                          max_temperature=self.max_spec_temperature, tree=self.tree_shape,
-                          tree_max_temperature=self.tree_max_temperature, batch_tree=self.batch_tree,
+        d = self.drafts
+        return SpecPolicy(prior=d.prior, max_k=self.num_draft_tokens, speculation=self.speculation,
+                          fixed=d.fixed_draft, cap=self.speculative_width_cap, max_temperature=d.max_spec_temperature,
+                          tree=d.tree_shape, tree_max_temperature=d.tree_max_temperature, batch_tree=d.batch_tree,
                           trees=self.verify == "coupled")
 
 

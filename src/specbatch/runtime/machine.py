@@ -89,7 +89,7 @@ class SpecMachine(Moves):
         self.batch: BatchRounds | None = None
         self.calm_rounds = 0  # gated rounds in a row spent within the cap (re-arm hysteresis)
         self.policy = config.policy()  # decides every round's draft (pure)
-        self.book = AcceptanceBook(config.prior, config.num_draft_tokens)  # live rows' acceptance
+        self.book = AcceptanceBook(config.drafts.prior, config.num_draft_tokens)  # live rows' acceptance
         self.machine = build_machine(self)
 
     # -- guards (pure) ------------------------------------------------------------------
@@ -121,8 +121,8 @@ class SpecMachine(Moves):
     def rearm_pays(self, step: Step) -> bool:
         rows, live = self.batch.rows, [r.request.remaining for r in self.batch.rows if not r.request.finished]
         return (self.kernels.speculative and self.config.resume and not self._ready(step) and bool(live)
-                and self._speculates([r.request for r in rows]) and max(live) >= self.config.rearm_min_remaining
-                and self.calm_rounds >= self.config.rearm_patience)
+                and self._speculates([r.request for r in rows]) and max(live) >= self.config.rearm.rearm_min_remaining
+                and self.calm_rounds >= self.config.rearm.rearm_patience)
 
     def no_rows(self, step: Step) -> bool:
         return self.batch.width == 0

@@ -131,7 +131,7 @@ def suite_long_prompts(ctx) -> dict:
             gaps = [g for r in got for g in r["gaps"]]
             ttft = [t for r in got for t in r["ttft"]]
             rows.append({"state": state, "seen_state": "/".join(sorted({r["state"] for r in got})),
-                         "prefill": mode, "chunk": engines[mode].config.prefill_chunk if mode == "chunked" else None,
+                         "prefill": mode, "chunk": engines[mode].config.prefill.prefill_chunk if mode == "chunked" else None,
                          "live": n_live, "arrivals": len(arrivals), "prompt_tokens": len(arrivals[0]),
                          "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99), "itl_max_s": max(gaps, default=0.0),
                          "live_tok_s": statistics.median(r["live_tok_s"] for r in got),
