@@ -1,21 +1,15 @@
 """Ragged per-row KV cache: each row keeps its own start and end.
 
-mlx-lm's ``BatchKVCache`` shares one end index across rows, so it can only trim every
-row by the same count. Speculative batching rejects a different number of drafts per
-row, so here row ``b`` occupies buffer columns ``[start[b], end[b])`` and trims by its
-own count. One instance per layer, as mlx-lm expects; ``BatchKV`` applies row edits to
-all layers at once.
+mlx-lm's ``BatchKVCache`` shares one end index across rows, so it trims every row by the
+same count; speculative batching rejects a different number of drafts per row, so here
+row ``b`` occupies columns ``[start[b], end[b])`` and trims by its own count. One instance
+per layer, as mlx-lm expects; ``BatchKV`` applies row edits to all layers at once.
 
-This dense layout pads every row to the longest one; the batch loop's cache is the paged
-layout (``paged_kv``, allocation within ~6% of need at mixed lengths, optional 8-bit
-storage). Prefill batches and single-row conversions stay dense: short-lived, and their
-rows are copied into blocks when they join.
-
-mlx-lm protocol: ``update_and_fetch`` (writes each row at its own end), ``offset`` (a
-per-row ``[B]`` array, for RoPE), ``make_mask`` (``[B, 1, N, T]``), ``state``,
-``nbytes``, ``trim``. Covered: full-attention models whose layers take a plain
-``KVCache`` (llama, mistral, qwen2, qwen3, ...). Sliding-window, recurrent and MLA
-layers use other cache types and are refused by :func:`check_supported`.
+This dense layout pads every row to the longest one (``paged_kv`` is the other, chosen by
+``EngineConfig.kv_layout``); prefill batches and single-row conversions are always dense.
+mlx-lm protocol: ``update_and_fetch`` (each row at its own end), ``offset`` (``[B]``, for
+RoPE), ``make_mask`` (``[B, 1, N, T]``), ``state``, ``nbytes``, ``trim``. Full-attention
+layers only (a plain ``KVCache`` in mlx-lm); others are refused by :func:`check_supported`.
 """
 
 from __future__ import annotations
@@ -301,7 +295,6 @@ def check_supported(model) -> None:
     """Refuse, clearly, models whose layers need a cache other than a plain KVCache."""
     kinds = {type(c).__name__ for c in model.make_cache()} if hasattr(model, "make_cache") else {"KVCache"}
     if kinds != {"KVCache"}:
-        raise ValueError(
-            f"model type {getattr(model, 'model_type', type(model).__name__)!r} uses "
-            f"{sorted(kinds)} caches; specbatch's ragged batch cache covers full-attention "
-            "models (llama, mistral, qwen2, qwen3, ...)")
+        raise ValueError(f"model type {getattr(model, 'model_type', type(model).__name__)!r} uses {sorted(kinds)} "
+                         "caches; specbatch's ragged batch cache covers full-attention models (llama, mistral, "
+                         "qwen2, qwen3, ...)")

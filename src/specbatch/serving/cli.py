@@ -141,24 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _distributed_args(g)
     g.set_defaults(func=cmd_generate)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--max-queue", type=int, default=256)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or SPECBATCH_API_KEY)")
-    sv.add_argument("--max-body", type=int, default=1 << 20, help="request body limit, bytes")
-    sv.add_argument("--body-timeout", type=float, default=60.0,
-                    help="seconds a request body may take to arrive (then 408, connection closed)")
-    sv.add_argument("--keep-alive-timeout", type=float, default=5.0,
-                    help="seconds an idle connection (no request headers yet) stays open")
-    sv.add_argument("--served-model-name", default=None)
-    sv.add_argument("--kv-budget-mb", type=int, default=0, help="target KV budget; admission waits past it (0: none)")
-    sv.add_argument("--prompt-cache-mb", type=int, default=256, help="prompt (prefix) cache bound")
-    sv.add_argument("--shutdown-grace", type=float, default=30.0,
-                    help="seconds live requests get to finish after SIGTERM before they are cut")
-    _model_args(sv)
-    _distributed_args(sv)
-    sv.set_defaults(func=cmd_serve)
+    _serve_parser(sub)
 
     d = sub.add_parser("demo", help="staggered concurrent requests, live transitions, a summary")
     d.add_argument("--requests", type=int, default=6)
@@ -181,6 +164,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace", default=None, help="JSON log of a run: draw the path it took")
     s.set_defaults(func=cmd_statechart)
     return ap
+
+
+def _serve_parser(sub) -> None:
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=256)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or SPECBATCH_API_KEY)")
+    sv.add_argument("--max-body", type=int, default=1 << 20, help="request body limit, bytes")
+    sv.add_argument("--body-timeout", type=float, default=60.0,
+                    help="seconds a request body may take to arrive (then 408, connection closed)")
+    sv.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                    help="seconds an idle connection (no request headers yet) stays open")
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--kv-budget-mb", type=int, default=0, help="target KV budget; admission waits past it (0: none)")
+    sv.add_argument("--prompt-cache-mb", type=int, default=256, help="prompt (prefix) cache bound")
+    sv.add_argument("--shutdown-grace", type=float, default=30.0,
+                    help="seconds live requests get to finish after SIGTERM before they are cut")
+    _model_args(sv)
+    _distributed_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
 
 def _measuring_parsers(sub) -> None:
