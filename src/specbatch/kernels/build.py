@@ -71,14 +71,6 @@ class LoopKernels:
     def drafter_name(self) -> str | None:
         return getattr(self.drafter, "name", None)  # a follower's remote drafter has none
 
-    @property
-    def vocab_size(self) -> int:
-        return self.target.vocab_size
-
-    @property
-    def context_length(self) -> int:
-        return self.target.context_length
-
     def _drafter(self, batch: bool):
         return self.drafter_factory(self.drafter, self.runner, batch)
 

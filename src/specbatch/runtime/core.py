@@ -62,8 +62,8 @@ class EngineCore:
         ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
         if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequest("prompt must be a string or a list of token ids", "prompt")
-        if any(not 0 <= t < self.kernels.vocab_size for t in ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.kernels.vocab_size})", "prompt")
+        if any(not 0 <= t < self.kernels.target.vocab_size for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.kernels.target.vocab_size})", "prompt")
         return ids
 
     def prepare(self, prompt, params: SamplingParams | dict | None = None, *,
@@ -82,13 +82,13 @@ class EngineCore:
             raise InvalidRequest("prompt must not be empty", "prompt")
         room = self.context_length - len(ids)
         if room < 1:
-            limit = ("--max-model-len" if self.context_length < self.kernels.context_length
+            limit = ("--max-model-len" if self.context_length < self.kernels.target.context_length
                      else "the model's context")
             raise InvalidRequest(
                 f"prompt has {len(ids)} tokens; {limit} is {self.context_length} tokens, so no "
                 "token could be generated", "prompt", "context_length_exceeded")
-        if any(token >= self.kernels.vocab_size for token, _ in params.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.kernels.vocab_size})", "logit_bias")
+        if any(token >= self.kernels.target.vocab_size for token, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {self.kernels.target.vocab_size})", "logit_bias")
         params = params.with_seed()
         if params.max_tokens > room:  # a prompt may fill the context up to the limit
             params = attrs.evolve(params, max_tokens=room)
@@ -101,7 +101,7 @@ class EngineCore:
         """Prompt + completion tokens a request may hold: the model's context, or
         ``max_model_len`` where that is shorter."""
         limit = self.config.max_model_len
-        return min(self.kernels.context_length, limit) if limit else self.kernels.context_length
+        return min(self.kernels.target.context_length, limit) if limit else self.kernels.target.context_length
 
     def add(self, prompt, params: SamplingParams | dict | None = None) -> str:
         """Validate and queue a request for the next step; its id names its events."""

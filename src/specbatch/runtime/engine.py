@@ -48,6 +48,7 @@ class Engine:
         plan to follower ranks."""
         self.core = EngineCore(kernels, tokenizer, config, lockstep=lockstep)
         self.kernels, self.tokenizer, self.config = kernels, tokenizer, self.core.config
+        self.target, self.drafter = kernels.target, kernels.drafter  # the loaded pair (its names)
         self._handles: dict[str, RequestHandle] = {}  # request id -> its handle, until its final event
         self._inbox: queue.SimpleQueue[list[Request] | None] = queue.SimpleQueue()  # batches of arrivals
         self._cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -61,16 +62,6 @@ class Engine:
         log.info("engine_started", model=kernels.target.name, drafter=kernels.drafter_name,
                  speculation=kernels.speculative,
                  k=self.config.num_draft_tokens, cap=self.config.speculative_width_cap)
-
-    @property
-    def target(self):
-        """The loaded target (its ``name``, ``vocab_size``, ``context_length``)."""
-        return self.kernels.target
-
-    @property
-    def drafter(self):
-        """The drafter's source (a model, a head, prompt lookup), or None."""
-        return self.kernels.drafter
 
     @property
     def scheduler(self) -> Scheduler:

@@ -89,8 +89,6 @@ class Kernels(Protocol):
     speculative: bool  # a drafter exists and speculation is on
     token_bytes: int  # target KV bytes per token (0: unknown), for the KV budget
     drafter_name: str | None
-    vocab_size: int  # the core validates prompts and logit_bias against these
-    context_length: int
 
     def scalar(self, request: Request) -> tuple[ScalarRounds, RoundOutput]:
         """A started scalar loop (prefilled, first token out); each step is told its round."""
