@@ -190,7 +190,7 @@ class EngineCore:
     @property
     def state(self) -> str:
         """The machine's state: "Idle", "Scalar", "Batched" or "Gated"."""
-        return getattr(self.scheduler, "state", "Idle" if not self.scheduler.busy else "Busy")
+        return self.scheduler.state
 
     @property
     def idle(self) -> bool:

@@ -33,17 +33,6 @@ class Step:
 class Moves:
     """Hooks and actions over ``self.scalar`` / ``self.batch`` (the machine's loops)."""
 
-    def _speculates(self, requests) -> bool:
-        return self.policy.speculates([r.params.temperature for r in requests])
-
-    def _ready(self, step: Step) -> list:
-        """Waiters that may join, in arrival order: while rows decode, short prompts and
-        long ones whose chunks are all done; with none, all (nobody waits on a prefill)."""
-        return [r for r in step.waiting if self.kernels.ready(r)] if self.requests() else list(step.waiting)
-
-    def _room(self, step: Step) -> int:
-        return room(self.requests(), self._ready(step), self.config, self.kernels)
-
     # -- hooks: a transition's work, run once it fired ----------------------------------
     def begin_scalar(self, step: Step) -> RoundOutput:
         self.scalar, out = self.kernels.scalar(step.waiting.popleft())
@@ -135,3 +124,15 @@ class Moves:
 
     def _admit(self, step: Step) -> RoundOutput:
         return self.kernels.admit(self.batch, take(step.waiting, self._ready(step)[:self._room(step)]))
+
+    # -- pure helpers (the guards read them too) ------------------------------------
+    def _speculates(self, requests) -> bool:
+        return self.policy.speculates([r.params.temperature for r in requests])
+
+    def _ready(self, step: Step) -> list:
+        """Waiters that may join, in arrival order: while rows decode, short prompts and
+        long ones whose chunks are all done; with none, all (nobody waits on a prefill)."""
+        return [r for r in step.waiting if self.kernels.ready(r)] if self.requests() else list(step.waiting)
+
+    def _room(self, step: Step) -> int:
+        return room(self.requests(), self._ready(step), self.config, self.kernels)

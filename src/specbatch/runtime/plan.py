@@ -49,7 +49,7 @@ class Lockstep(Protocol):
 def fingerprint(scheduler: Scheduler, waiting) -> str:
     """A cheap summary of scheduling state that two ranks in lock-step must agree on."""
     live = scheduler.requests()
-    return (f"{getattr(scheduler, 'state', '?')}/w{len(live)}/q{len(waiting)}/"
+    return (f"{scheduler.state}/w{len(live)}/q{len(waiting)}/"
             f"e{sum(r.emitted for r in live)}")
 
 

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 
 class Scheduler(Protocol):
+    state: str  # "Idle", "Scalar", "Batched" or "Gated"
+
     @property
     def busy(self) -> bool: ...
 
