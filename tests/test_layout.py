@@ -153,3 +153,30 @@ def test_architecture_doc_names_every_module():
                if "__pycache__" not in p.parts and (p.name != "__init__.py" or p.parent == PACKAGE)
                and f"`{p.relative_to(SRC.parent)}`" not in doc]
     assert not missing, f"docs/architecture.md lacks {missing}"
+
+
+def test_sizes_a_reviewer_reads_in_an_afternoon():
+    """No module over 300 lines, no function over 50, the machine under 220 (issue 24)."""
+    long_modules, long_functions = [], []
+    for path in PACKAGE.rglob("*.py"):
+        source = path.read_text()
+        if len(source.splitlines()) > 300:
+            long_modules.append(str(path.relative_to(SRC)))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 50:
+                long_functions.append(f"{path.relative_to(SRC)}:{node.name}")
+    assert not long_modules and not long_functions, (long_modules, long_functions)
+    assert len((PACKAGE / "runtime" / "machine.py").read_text().splitlines()) < 220
+
+
+def test_engine_config_has_at_most_14_fields_and_takes_each_setting_by_name():
+    import attrs
+
+    from specbatch.runtime.config import GROUPS, EngineConfig
+    assert len(attrs.fields(EngineConfig)) <= 14
+    config = EngineConfig(kv_layout="paged", prefill_chunk=16, fixed_draft=True, rearm_patience=2)
+    assert (config.memory.kv_layout, config.prefill.prefill_chunk, config.drafts.fixed_draft,
+            config.rearm.rearm_patience) == ("paged", 16, True, 2)
+    assert attrs.evolve(config, kv_bits=8).memory == attrs.evolve(config.memory, kv_bits=8)
+    assert EngineConfig(**attrs.asdict(config)) == config  # a config over the wire
+    assert set(GROUPS) <= {f.name for f in attrs.fields(EngineConfig)}
