@@ -326,3 +326,34 @@ def test_a_long_arrival_starts_prefilling_only_within_the_kv_budget(tiny, fits):
             seen.add(s.stat("prefilling"))
         assert seen == ({0, 1} if fits else {0})
         assert [len(t) for t in s.finish()] == [12, 4]
+
+
+def test_a_whole_prefill_merges_the_between_round_chunks_and_keeps_their_boundaries():
+    import mlx.core as mx
+
+    from specbatch.kernels.runner import idle_chunk, prefill
+
+    class Recorder:  # a runner that records each forward's length
+        def __init__(self, chunk):
+            self.prefill_chunk, self.sizes = chunk, []
+
+        def forward_last(self, tokens, cache):
+            self.sizes.append(tokens.shape[1])
+            return mx.zeros((1, 4))
+
+    big = Recorder(48)
+    prefill(big, list(range(1450)), [])
+    assert big.sizes == [480, 480, 480, 10]  # 30 whole chunks of 48 in three forwards, the tail alone
+    small = Recorder(8)  # within the small-M kernels' rows: merging would switch kernels
+    prefill(small, list(range(30)), [])
+    assert small.sizes == [8, 8, 8, 6] and idle_chunk(8) == 8 and idle_chunk(128) == 512
+
+
+@pytest.mark.parametrize("n, k", [(576, 576), (192, 576), (1536, 576), (576, 1536)])
+def test_the_blas_gives_a_row_the_same_bits_in_any_chunk_of_ten_rows_or_more(n, k):
+    # what a whole prefill's merged chunks rely on (idle_chunk): the embedded target's shapes
+    import mlx.core as mx
+    w, x = mx.random.normal((n, k)), mx.random.normal((480, k))
+    full = x @ w.T
+    for rows in (10, 48, 200):
+        assert mx.array_equal(x[:rows] @ w.T, full[:rows]).item()
