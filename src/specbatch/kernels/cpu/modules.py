@@ -20,7 +20,7 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import attention, extension, linear, paged_attention, rms_norm, rope, rope_positions
+from . import extension, fused, linear, rms_norm, rope, rope_positions
 
 _inside = threading.local()  # set while a swapped attention layer runs on this thread
 
@@ -28,6 +28,8 @@ _inside = threading.local()  # set while a swapped attention layer runs on this 
 class FastLinear(nn.Linear):
     """``nn.Linear`` whose matmul is the small-M CPU kernel where it applies (still an
     ``nn.Linear``: MLX's sharding and quantization helpers take it as one)."""
+
+    small_m = True  # the fused projections take its weight (a sharded or quantized linear is another class)
 
     def __init__(self, weight: mx.array, bias: mx.array | None):
         nn.Module.__init__(self)
@@ -62,10 +64,7 @@ def _wrap_sdpa(module_name: str) -> bool:
 
     def sdpa(queries, keys, values, cache=None, scale=1.0, mask=None, sinks=None):
         if getattr(_inside, "on", False) and sinks is None and not hasattr(cache, "bits"):
-            paged = getattr(cache, "paged_view", None)  # a paged cache read in place: its gather never runs
-            view = paged() if paged is not None else None
-            out = paged_attention(queries, view, scale, mask) if view is not None else None
-            return attention(queries, keys, values, scale, mask) if out is None else out
+            return fused.attend(queries, keys, values, cache, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     sdpa._specbatch = True
@@ -85,7 +84,12 @@ def _fast_class(cls: type, methods: dict) -> type:
 
 
 def _attention_methods(cls: type) -> dict:
+    copied = cls.__module__ in fused.MODULES  # its call is copied onto the fused projections
+
     def __call__(self, *args, **kwargs):  # marks the call: the wrapped sdpa takes the kernel inside
+        out = fused.attention_call(self, *args, **kwargs) if copied else None
+        if out is not None:
+            return out
         _inside.on = True
         try:
             return cls.__call__(self, *args, **kwargs)
@@ -94,9 +98,21 @@ def _attention_methods(cls: type) -> dict:
     return {"__call__": __call__}
 
 
+def _mlp_methods(cls: type) -> dict:
+    def __call__(self, x):
+        out = fused.mlp_call(self, x)
+        return cls.__call__(self, x) if out is None else out
+    return {"__call__": __call__}
+
+
 def _swap_attention(module: nn.Module) -> bool:
     cls = type(module)
-    if cls.__name__ != "Attention" or cls in _fast_classes.values() or not _wrap_sdpa(cls.__module__):
+    if cls in _fast_classes.values():
+        return False
+    if cls.__name__ == "MLP" and cls.__module__ in fused.MODULES:
+        module.__class__ = _fast_class(cls, _mlp_methods(cls))
+        return True
+    if cls.__name__ != "Attention" or not _wrap_sdpa(cls.__module__):
         return False
     module.__class__ = _fast_class(cls, _attention_methods(cls))
     return True

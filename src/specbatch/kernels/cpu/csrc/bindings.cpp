@@ -1,5 +1,6 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "attention.h"
 #include "gemv.h"
@@ -7,9 +8,11 @@
 #include "mlx/version.h"
 #include "norm.h"
 #include "pool.h"
+#include "projections.h"
 #include "rope.h"
 
 namespace nb = nanobind;
+namespace mx = mlx::core;
 
 NB_MODULE(_ext, m) {
   m.doc() = "specbatch's CPU kernels as MLX primitives";
@@ -26,6 +29,16 @@ NB_MODULE(_ext, m) {
   m.def("rope", &specbatch::rope, nb::arg("x"), nb::arg("positions"), nb::arg("inv_freq"), nb::arg("dims"),
         nb::arg("traditional"), nb::arg("scale"), nb::arg("inverse") = false,
         "rotary embedding of x [B, H, L, D] at positions [1], [B] (offsets) or [B, L], one op");
+  m.def("qkv_rope", [](const mx::array& x, const mx::array& wq, const mx::array& wk, const mx::array& wv,
+                       const std::vector<mx::array>& biases, const mx::array& positions, const mx::array& inv_freq,
+                       int heads, int kv_heads, int dims, bool traditional, float scale) {
+          return specbatch::qkv_rope(x, wq, wk, wv, biases, positions, inv_freq,
+                                     specbatch::QkvShape{heads, kv_heads, dims, traditional, scale});
+        }, nb::arg("x"), nb::arg("wq"), nb::arg("wk"), nb::arg("wv"), nb::arg("biases"), nb::arg("positions"),
+        nb::arg("inv_freq"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"),
+        nb::arg("scale"), "a layer's q, k (roped) and v in the head layout, one op for up to 32 rows");
+  m.def("gate_up", &specbatch::gate_up, nb::arg("x"), nb::arg("wg"), nb::arg("wu"),
+        "x @ wg.T and x @ wu.T in one op for up to 32 rows");
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
   m.def("threads", [] { return specbatch::pool().size(); });
   // the MLX this was compiled against; the loader refuses to run beside another one

@@ -30,13 +30,7 @@ mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& 
 }
 
 namespace {
-struct Args {
-  const float* x; const int* pos; const float* inv; float* out;
-  int B, H, L, D, half;
-  int64_t xs[4];
-  bool per_row, explicit_, traditional, inverse;
-  float scale;
-};
+using Args = RopeArgs;
 
 // Token (b, l) of every head: its cosines and sines computed once, as MLX computes them
 // (position = float(l) + float(offset), times scale, times inv_freq[i], in float32).
@@ -68,6 +62,11 @@ void rope_token(const Args& a, int b, int l, float* cs) {
 }
 }  // namespace
 
+void rope_tokens(const RopeArgs& a, int64_t t0, int64_t t1) {
+  std::vector<float> cs(2 * a.half);
+  for (int64_t t = t0; t < t1; ++t) rope_token(a, static_cast<int>(t / a.L), static_cast<int>(t % a.L), cs.data());
+}
+
 void RoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];
   const auto& pos = inputs[1];
@@ -84,10 +83,7 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     std::vector<float> ic;
     a.pos = row_major(pos, pc), a.inv = row_major(inv, ic);
     const int64_t tokens = static_cast<int64_t>(a.B) * a.L;
-    auto body = [&](int64_t t0, int64_t t1) {
-      std::vector<float> cs(2 * a.half);
-      for (int64_t t = t0; t < t1; ++t) rope_token(a, static_cast<int>(t / a.L), static_cast<int>(t % a.L), cs.data());
-    };
+    auto body = [&](int64_t t0, int64_t t1) { rope_tokens(a, t0, t1); };
     if (tokens * a.H * a.D < (1 << 15)) return body(0, tokens);  // decode shapes: no pool wake
     auto& p = pool();
     const int64_t per = (tokens + p.size() - 1) / p.size();

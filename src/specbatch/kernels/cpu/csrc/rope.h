@@ -17,6 +17,18 @@ namespace mx = mlx::core;
 mx::array rope(const mx::array& x, const mx::array& positions, const mx::array& inv_freq, int dims,
                bool traditional, float scale, bool inverse);
 
+// What rotating one call's tokens needs: x strided [B, H, L, D], out contiguous.
+struct RopeArgs {
+  const float* x; const int* pos; const float* inv; float* out;
+  int B, H, L, D, half;
+  int64_t xs[4];
+  bool per_row, explicit_, traditional, inverse;
+  float scale;
+};
+
+// Tokens t0 .. t1 - 1 (t = b * L + l) of every head; one float order for every caller.
+void rope_tokens(const RopeArgs& a, int64_t t0, int64_t t1);
+
 class RoPE : public mx::UnaryPrimitive {
  public:
   RoPE(mx::Stream stream, int dims, bool traditional, float scale, bool inverse)

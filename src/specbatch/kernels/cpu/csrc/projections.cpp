@@ -1,0 +1,186 @@
+#include "projections.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "gemv.h"
+#include "linear.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/transforms.h"
+#include "pool.h"
+#include "rope.h"
+#include "strided.h"
+
+namespace specbatch {
+
+namespace {
+struct Target {
+  const float* w;  // [n, K]
+  int n;
+  float* y;  // [M, ldy]
+  int ldy;
+};
+
+// y_i = x @ w_i.T for every target, the pool splitting their rows (as one matrix) in blocks.
+void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) {
+  int N = 0;
+  for (const auto& t : targets) N += t.n;
+  auto kernel = detect_isa() == Isa::avx512 ? gemv_avx512 : gemv_avx2;
+  auto& p = pool();
+  const int parts = std::min(p.size(), std::max(1, N / 64));
+  const int block = ((N + parts - 1) / parts + 15) / 16 * 16;
+  p.run([&](int part) {
+    if (part >= parts) return;
+    const int n0 = std::min(N, part * block), n1 = std::min(N, n0 + block);
+    int first = 0;  // the targets' rows [first, first + n) in the joint numbering
+    for (const auto& t : targets) {
+      const int a = std::max(n0, first), b = std::min(n1, first + t.n);
+      if (a < b) kernel(x, M, K, t.w, a - first, b - first, t.y, t.ldy);
+      first += t.n;
+    }
+  });
+}
+
+void check(const mx::array& x, const std::vector<const mx::array*>& ws) {
+  if (x.dtype() != mx::float32 || x.ndim() < 1) throw std::invalid_argument("projections: float32 x [..., K]");
+  for (const auto* w : ws)
+    if (w->dtype() != mx::float32 || w->ndim() != 2 || w->shape(1) != x.shape(-1))
+      throw std::invalid_argument("projections: float32 weights [N, K]");
+  if (x.size() / std::max(1, x.shape(-1)) > static_cast<size_t>(kMaxRows))
+    throw std::invalid_argument("projections: at most 32 rows");
+  if (detect_isa() == Isa::none) throw std::runtime_error("projections: the CPU lacks AVX2/FMA");
+}
+}  // namespace
+
+std::vector<mx::array> qkv_rope(const mx::array& x, const mx::array& wq, const mx::array& wk, const mx::array& wv,
+                                const std::vector<mx::array>& biases, const mx::array& positions,
+                                const mx::array& inv_freq, const QkvShape& shape) {
+  check(x, {&wq, &wk, &wv});
+  if (x.ndim() != 3) throw std::invalid_argument("qkv_rope: x [B, L, K]");
+  const int B = x.shape(0), L = x.shape(1);
+  const int D = shape.heads > 0 ? wq.shape(0) / shape.heads : 0;
+  if (D == 0 || wq.shape(0) != shape.heads * D || wk.shape(0) != shape.kv_heads * D || wv.shape() != wk.shape())
+    throw std::invalid_argument("qkv_rope: wq [Hq * D, K], wk and wv [Hkv * D, K]");
+  if (shape.dims <= 0 || shape.dims % 2 || shape.dims > D || inv_freq.dtype() != mx::float32 ||
+      inv_freq.ndim() != 1 || inv_freq.shape(0) != shape.dims / 2)
+    throw std::invalid_argument("qkv_rope: dims even, at most D; inv_freq [dims / 2]");
+  const bool offsets = positions.ndim() == 1 && (positions.shape(0) == 1 || positions.shape(0) == B);
+  if (positions.dtype() != mx::int32 || !(offsets || (positions.ndim() == 2 && positions.shape(0) == B &&
+                                                      positions.shape(1) == L)))
+    throw std::invalid_argument("qkv_rope: positions int32 [1], [B] or [B, L]");
+  if (!biases.empty() && (biases.size() != 3 || biases[0].size() != static_cast<size_t>(wq.shape(0)) ||
+                          biases[1].size() != static_cast<size_t>(wk.shape(0)) ||
+                          biases[2].size() != static_cast<size_t>(wv.shape(0))))
+    throw std::invalid_argument("qkv_rope: no biases or one [N] per weight");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {x, wq, wk, wv, positions, inv_freq};
+  for (const auto& b : biases) inputs.push_back(mx::astype(b, mx::float32, s));
+  return mx::array::make_arrays({{B, shape.heads, L, D}, {B, shape.kv_heads, L, D}, {B, shape.kv_heads, L, D}},
+                                {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<Projections>(s, true, !biases.empty(), shape), inputs);
+}
+
+std::vector<mx::array> gate_up(const mx::array& x, const mx::array& wg, const mx::array& wu) {
+  check(x, {&wg, &wu});
+  if (wg.shape() != wu.shape()) throw std::invalid_argument("gate_up: wg and wu [I, K] alike");
+  auto shape = x.shape();
+  shape.back() = wg.shape(0);
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays({shape, shape}, {mx::float32, mx::float32},
+                                std::make_shared<Projections>(s, false, false, QkvShape{}), {x, wg, wu});
+}
+
+void Projections::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+  }
+  const int K = inputs[0].shape(-1), M = static_cast<int>(inputs[0].size() / std::max(1, K));
+  std::vector<float*> ys;
+  for (auto& out : outputs) ys.push_back(out.data<float>());
+  encoder.dispatch([inputs, ys, M, K, qkv = qkv_, bias = bias_, shape = shape_]() {
+    if (M == 0) return;
+    std::vector<std::vector<float>> copies(inputs.size());
+    std::vector<const float*> w;
+    for (size_t i = 1; i < (qkv ? 4u : 3u); ++i) w.push_back(row_major(inputs[i], copies[i]));
+    const float* x = row_major(inputs[0], copies[0]);
+    if (!qkv) return gemv_all(x, M, K, {{w[0], inputs[1].shape(0), ys[0], inputs[1].shape(0)},
+                                        {w[1], inputs[2].shape(0), ys[1], inputs[2].shape(0)}});
+    const int nq = inputs[1].shape(0), nk = inputs[2].shape(0), N = nq + 2 * nk;
+    std::vector<float> y(static_cast<size_t>(M) * N);  // [M, q | k | v]
+    gemv_all(x, M, K, {{w[0], nq, y.data(), N}, {w[1], nk, y.data() + nq, N}, {w[2], nk, y.data() + nq + nk, N}});
+    if (bias) {
+      std::vector<float> bc[3];
+      const float* b[3];
+      for (int i = 0; i < 3; ++i) b[i] = row_major(inputs[6 + i], bc[i]);
+      for (int m = 0; m < M; ++m)
+        for (int n = 0; n < N; ++n)
+          y[m * N + n] += n < nq ? b[0][n] : n < nq + nk ? b[1][n - nq] : b[2][n - nq - nk];
+    }
+    std::vector<int> pc;
+    std::vector<float> ic;
+    const int* pos = row_major(inputs[4], pc);
+    const float* inv = row_major(inputs[5], ic);
+    const int B = inputs[0].shape(0), L = inputs[0].shape(1), D = nq / shape.heads;
+    const bool per_row = inputs[4].ndim() == 1 && inputs[4].shape(0) > 1, explicit_ = inputs[4].ndim() == 2;
+    for (int part = 0; part < 3; ++part) {  // q and k rotated, v copied: [B, H, L, D] each
+      const int H = part == 0 ? shape.heads : shape.kv_heads, offset = part == 0 ? 0 : part == 1 ? nq : nq + nk;
+      RopeArgs a{y.data() + offset, pos, inv, ys[part], B, H, L, D, part == 2 ? 0 : shape.dims / 2,
+                 {static_cast<int64_t>(L) * N, D, N, 1}, per_row, explicit_, shape.traditional, false, shape.scale};
+      rope_tokens(a, 0, static_cast<int64_t>(B) * L);  // half 0: a plain copy into the head layout
+    }
+  });
+}
+
+std::vector<mx::array> Projections::unfused(const std::vector<mx::array>& in) {
+  auto s = stream();
+  if (!qkv_) return {mx::matmul(in[0], mx::transpose(in[1], s), s), mx::matmul(in[0], mx::transpose(in[2], s), s)};
+  const int B = in[0].shape(0), L = in[0].shape(1);
+  std::vector<mx::array> out;
+  for (int i = 0; i < 3; ++i) {
+    auto y = mx::matmul(in[0], mx::transpose(in[1 + i], s), s);  // [B, L, H * D]
+    if (bias_) y = mx::add(y, in[6 + i], s);
+    const int H = i == 0 ? shape_.heads : shape_.kv_heads;
+    y = mx::transpose(mx::reshape(y, {B, L, H, -1}, s), {0, 2, 1, 3}, s);
+    out.push_back(i == 2 ? y : rope(y, in[4], in[5], shape_.dims, shape_.traditional, shape_.scale, false));
+  }
+  return out;
+}
+
+// Gradients through the same computation in MLX ops (and RoPE's own vjp); positions and
+// frequencies (inputs 4 and 5 of qkv_rope) are constants.
+std::vector<mx::array> Projections::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                                        const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  for (int arg : argnums)
+    if (qkv_ && (arg == 4 || arg == 5)) throw std::invalid_argument("qkv_rope: no gradient for positions or frequencies");
+  std::vector<int> free;  // the inputs differentiated
+  for (int i = 0; i < static_cast<int>(primals.size()); ++i)
+    if (!qkv_ || (i != 4 && i != 5)) free.push_back(i);
+  std::vector<mx::array> args;
+  for (int i : free) args.push_back(primals[i]);
+  auto f = [this, &primals, &free](const std::vector<mx::array>& in) {
+    std::vector<mx::array> all = primals;
+    for (size_t j = 0; j < free.size(); ++j) all[free[j]] = in[j];
+    return unfused(all);
+  };
+  auto grads = mx::vjp(f, args, cotangents).second;
+  std::vector<mx::array> picked;
+  for (int arg : argnums) picked.push_back(grads[std::find(free.begin(), free.end(), arg) - free.begin()]);
+  return picked;
+}
+
+bool Projections::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const Projections&>(other);
+  return qkv_ == o.qkv_ && bias_ == o.bias_ && shape_.heads == o.shape_.heads && shape_.kv_heads == o.shape_.kv_heads &&
+         shape_.dims == o.shape_.dims && shape_.traditional == o.shape_.traditional && shape_.scale == o.shape_.scale;
+}
+
+void Projections::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("specbatch projections run on the CPU only");
+}
+
+}  // namespace specbatch

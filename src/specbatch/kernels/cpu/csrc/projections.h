@@ -1,0 +1,48 @@
+// Fused projections for decode and verify rows (at most kMaxRows): a layer's q, k and v (with
+// RoPE, written in the head layout attention reads) or its gate and up, in one op and one
+// pass of the thread pool over all their weight rows. Per element the same sums as
+// SmallLinear and RoPE alone, so the same bits; a decode step has ~300 fewer graph nodes.
+#pragma once
+
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace specbatch {
+
+namespace mx = mlx::core;
+
+struct QkvShape {
+  int heads, kv_heads, dims;  // dims: the rotated features of each head
+  bool traditional;
+  float scale;
+};
+
+// x [B, L, K]; wq [Hq * D, K], wk and wv [Hkv * D, K]; biases: none or one per weight;
+// positions and inv_freq as for `rope` -> q [B, Hq, L, D], k and v [B, Hkv, L, D].
+std::vector<mx::array> qkv_rope(const mx::array& x, const mx::array& wq, const mx::array& wk, const mx::array& wv,
+                                const std::vector<mx::array>& biases, const mx::array& positions,
+                                const mx::array& inv_freq, const QkvShape& shape);
+
+// x [..., K]; wg and wu [I, K] -> x @ wg.T and x @ wu.T.
+std::vector<mx::array> gate_up(const mx::array& x, const mx::array& wg, const mx::array& wu);
+
+class Projections : public mx::Primitive {
+ public:
+  Projections(mx::Stream stream, bool qkv, bool bias, QkvShape shape)
+      : mx::Primitive(stream), qkv_(qkv), bias_(bias), shape_(shape) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
+  const char* name() const override { return qkv_ ? "SpecbatchQkvRope" : "SpecbatchGateUp"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  std::vector<mx::array> unfused(const std::vector<mx::array>& inputs);  // the same with MLX ops
+  bool qkv_, bias_;
+  QkvShape shape_;
+};
+
+}  // namespace specbatch

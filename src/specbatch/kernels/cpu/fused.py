@@ -1,0 +1,72 @@
+"""The llama-family attention and MLP calls on the fused projections (decode and verify rows).
+
+mlx-lm's llama / qwen2 ``Attention`` runs three linears, three reshapes and transposes and
+two RoPEs before its cache update (11 graph nodes a layer); here ``qkv_rope`` is one op that
+writes q, k (rotated) and v in the head layout. Its ``MLP`` runs two linears where
+``gate_up`` is one. Per element both give the bits the separate kernels give, so the layer's
+output is the same; anything else (more rows than the small-M kernels take, other dtypes,
+sharded or quantized projections, a RoPE variant without the kernel, a quantized cache,
+per-head norms) takes the module's own call: these return None there.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import MAX_ROWS, _active, attention, paged_attention, rope_positions, rows_of
+
+MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")  # classes whose calls are copied here
+
+
+def attend(queries, keys, values, cache, scale: float, mask):
+    """Attention over ``cache`` (read in place where it is paged) with the CPU kernel."""
+    paged = getattr(cache, "paged_view", None)  # a paged cache read in place: its gather never runs
+    view = paged() if paged is not None else None
+    out = paged_attention(queries, view, scale, mask) if view is not None else None
+    return attention(queries, keys, values, scale, mask) if out is None else out
+
+
+def _linears(*layers) -> list | None:
+    """The layers' weights where every one is a swapped float32 linear (``FastLinear``)."""
+    return [m.weight for m in layers] if all(getattr(type(m), "small_m", False) for m in layers) else None
+
+
+def _rope(attn):
+    """(the swapped RoPE, explicit positions ``[B, L]`` or None) of ``attn``, or None."""
+    rope = attn.rope
+    positions = getattr(rope, "positions", None)  # a tree forward's per-node RoPE wraps the layer's
+    base = rope.inner if positions is not None else rope
+    return (base, positions) if "_sb_inv_freq" in base else None
+
+
+def attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
+    """mlx-lm's llama ``Attention.__call__`` on ``qkv_rope``; None where it does not apply."""
+    ext = _active()
+    weights = _linears(self.q_proj, self.k_proj, self.v_proj)
+    rope = _rope(self)
+    if (ext is None or weights is None or rope is None or x.dtype != mx.float32 or x.ndim != 3
+            or not 0 < rows_of(x) <= MAX_ROWS or "q_norm" in self or hasattr(cache, "bits")):
+        return None
+    base, positions = rope
+    if positions is None:
+        positions = rope_positions(cache.offset if cache is not None else 0)
+    biases = [p.bias for p in (self.q_proj, self.k_proj, self.v_proj)] if "bias" in self.q_proj else []
+    q, k, v = ext.qkv_rope(x, *weights, biases, positions.astype(mx.int32), base._sb_inv_freq, self.n_heads,
+                           self.n_kv_heads, base.dims, base.traditional, base._sb_scale)  # [B, H, L, D] each
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    out = attend(q, k, v, cache, self.scale, mask)  # [B, Hq, L, D]
+    B, L, _ = x.shape
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def mlp_call(self, x: mx.array) -> mx.array | None:
+    """mlx-lm's llama ``MLP.__call__`` on ``gate_up``; None where it does not apply."""
+    from mlx_lm.models.activations import swiglu
+    ext = _active()
+    weights = _linears(self.gate_proj, self.up_proj)
+    if (ext is None or weights is None or x.dtype != mx.float32 or not 0 < rows_of(x) <= MAX_ROWS
+            or "bias" in self.gate_proj or "bias" in self.up_proj):
+        return None
+    gate, up = ext.gate_up(x, *weights)
+    return self.down_proj(swiglu(gate, up))

@@ -1,0 +1,101 @@
+"""The fused projections against the separate kernels (bit for bit), and the llama-family
+layers that call them."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specbatch.kernels import cpu
+from specbatch.kernels.cpu import fused
+
+needs_kernels = pytest.mark.skipif(not cpu.status().active, reason=f"CPU kernels inactive: {cpu.status().why}")
+
+
+def _inv(half: int) -> mx.array:
+    return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * 0.3)
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 4), length=st.integers(1, 8), kv=st.integers(1, 3), group=st.integers(1, 3),
+       d=st.sampled_from([16, 64]), partial=st.booleans(), positions=st.sampled_from(["int", "rows", "explicit"]),
+       bias=st.booleans(), traditional=st.booleans(), seed=st.integers(0, 2**16))
+def test_qkv_rope_is_the_separate_kernels_bit_for_bit(b, length, kv, group, d, partial, positions, bias,
+                                                      traditional, seed):
+    if b * length > cpu.MAX_ROWS:
+        return
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: mx.array(rng.standard_normal(shape), dtype=mx.float32)  # noqa: E731
+    k_in, hq = 48, kv * group
+    x, wq, wk, wv = normal(b, length, k_in), normal(hq * d, k_in), normal(kv * d, k_in), normal(kv * d, k_in)
+    biases = [normal(hq * d), normal(kv * d), normal(kv * d)] if bias else []
+    dims = d // 2 if partial else d
+    pos = {"int": mx.array([int(rng.integers(0, 500))], dtype=mx.int32),
+           "rows": mx.array(rng.integers(-3, 500, size=b), dtype=mx.int32),
+           "explicit": mx.array(rng.integers(0, 500, size=(b, length)), dtype=mx.int32)}[positions]
+    inv = _inv(dims // 2)
+    q, k, v = cpu.extension().qkv_rope(x, wq, wk, wv, biases, pos, inv, hq, kv, dims, traditional, 1.0)
+
+    def alone(i, w, heads, rotate):
+        y = cpu.linear(x, w) + biases[i] if bias else cpu.linear(x, w)
+        y = y.reshape(b, length, heads, d).transpose(0, 2, 1, 3)
+        return cpu.rope(y, pos, inv, dims, traditional, 1.0) if rotate else mx.contiguous(y)
+    for got, want in ((q, alone(0, wq, hq, True)), (k, alone(1, wk, kv, True)), (v, alone(2, wv, kv, False))):
+        assert mx.array_equal(got, want).item()
+
+
+@needs_kernels
+def test_gate_up_is_two_linears_and_both_fused_ops_have_gradients():
+    x, wg, wu = mx.random.normal((3, 2, 40)), mx.random.normal((24, 40)), mx.random.normal((24, 40))
+    g, u = cpu.extension().gate_up(x, wg, wu)
+    assert mx.array_equal(g, cpu.linear(x, wg)).item() and mx.array_equal(u, cpu.linear(x, wu)).item()
+    ours = mx.grad(lambda x, wg: sum(o.sum() ** 2 for o in cpu.extension().gate_up(x, wg, wu)), argnums=(0, 1))(x, wg)
+    plain = mx.grad(lambda x, wg: ((x @ wg.T).sum() ** 2 + (x @ wu.T).sum() ** 2), argnums=(0, 1))(x, wg)
+    for a, b in zip(ours, plain):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-3).item()
+    xq, w = mx.random.normal((1, 2, 16)), mx.random.normal((16, 16))
+    pos, inv = mx.array([3], dtype=mx.int32), _inv(4)
+
+    def loss(x, fuse):
+        if fuse:
+            q, k, v = cpu.extension().qkv_rope(x, w, w, w, [], pos, inv, 2, 2, 8, False, 1.0)
+        else:
+            y = (x @ w.T).reshape(1, 2, 2, 8).transpose(0, 2, 1, 3)
+            q = k = mx.fast.rope(y, 8, traditional=False, base=None, scale=1.0, offset=3, freqs=1 / inv)
+            v = y
+        return (q * 1.5 + k * 0.5 + v).sum()
+    assert mx.allclose(mx.grad(lambda x: loss(x, True))(xq), mx.grad(lambda x: loss(x, False))(xq), atol=1e-4).item()
+
+
+@needs_kernels
+def test_a_swapped_llama_decodes_the_same_bits_fused_or_not(tiny, monkeypatch):
+    from mlx_lm.models.cache import make_prompt_cache
+    model = tiny.model
+    prompt, step = mx.array([[3, 5, 7, 9, 11]], dtype=mx.int32), mx.array([[13, 2]], dtype=mx.int32)
+
+    def run():
+        cache = make_prompt_cache(model)
+        model(prompt, cache=cache)
+        return model(step, cache=cache)
+    assert type(model.layers[0].self_attn).__name__.startswith("Fast")
+    calls = []
+    original = fused.attention_call
+    monkeypatch.setattr(fused, "attention_call", lambda *a, **k: calls.append(1) or original(*a, **k))
+    with_fusion = run()
+    assert calls  # the fused path ran
+    monkeypatch.setattr(fused, "attention_call", lambda *a, **k: None)
+    monkeypatch.setattr(fused, "mlp_call", lambda *a, **k: None)
+    assert mx.array_equal(run(), with_fusion).item()
+
+
+@needs_kernels
+def test_rows_past_the_small_m_kernels_take_the_modules_own_call(tiny):
+    attn = tiny.model.layers[0].self_attn
+    wide = mx.random.normal((1, cpu.MAX_ROWS + 1, tiny.model.args.hidden_size))
+    assert fused.attention_call(attn, wide) is None and fused.mlp_call(tiny.model.layers[0].mlp, wide) is None
+    with cpu.disabled():
+        assert fused.attention_call(attn, wide[:, :2]) is None
