@@ -4,7 +4,9 @@ A mixed workload the calibration never saw (held-out chat questions and code com
 together, rows alternating temperature 0 and 0.7) at each width, decoded by: plain, every
 fixed chain length k = 1..6 speculating at every width (no gate), and the engine as
 shipped (the policy over the stored calibration). Per width: each choice's tokens/s side
-by side, the best fixed choice in hindsight, and the policy against it and against plain.
+by side, the best fixed choice in hindsight, and the policy against it, against plain and
+against the chain the stored schedule names for the batch's hottest temperature (what
+the engine decoded before the policy).
 """
 
 from __future__ import annotations
@@ -55,6 +57,18 @@ def _engines(ctx) -> dict:
     return engines
 
 
+def _schedule_choice(ctx, width: int) -> str | None:
+    """The fixed choice the stored schedule makes at ``width`` for these rows, if stored."""
+    from ...kernels.calibration import lookup
+    from ...runtime.schedule import DraftSchedule
+    drafter = getattr(ctx.drafter, "name", None)
+    schedule = lookup(ctx.target.name, drafter, "schedule", DraftSchedule.from_json) if drafter else None
+    if schedule is None:
+        return None
+    k = schedule.draft_length(width, max(TEMPERATURES))
+    return "plain" if k == 0 else f"k={k}" if k in FIXED_K else None
+
+
 def suite_policy(ctx) -> dict:
     engines = _engines(ctx)
     prompts = held_out_prompts(ctx.target.tokenizer, max(ctx.widths))
@@ -67,9 +81,13 @@ def suite_policy(ctx) -> dict:
         tok_s = {name: statistics.median(v) for name, v in samples.items()}
         fixed = {name: v for name, v in tok_s.items() if name != "policy"}
         best = max(fixed, key=fixed.get)
-        rows.append({"width": width, **{f"{name}_tok_s": v for name, v in tok_s.items()},
-                     "best_fixed": best, "policy_vs_best": tok_s["policy"] / fixed[best],
-                     "policy_vs_plain": tok_s["policy"] / tok_s["plain"]})
+        row = {"width": width, **{f"{name}_tok_s": v for name, v in tok_s.items()},
+               "best_fixed": best, "policy_vs_best": tok_s["policy"] / fixed[best],
+               "policy_vs_plain": tok_s["policy"] / tok_s["plain"]}
+        scheduled = _schedule_choice(ctx, width)
+        if scheduled is not None:
+            row.update(schedule_choice=scheduled, policy_vs_schedule=tok_s["policy"] / fixed[scheduled])
+        rows.append(row)
     return {"temperatures": list(TEMPERATURES), "rows": rows}
 
 
