@@ -12,6 +12,7 @@ import openai
 import uvicorn
 
 from specbatch.serving.http.app import create_app
+from specbatch.serving.http.protocol import with_header_timeout
 
 
 def free_port() -> int:
@@ -24,10 +25,11 @@ class Served:
     """The app over ``engine`` on a loopback port, in a thread; ``server_cls(config)``
     builds the uvicorn server (``GracefulServer`` for the shutdown tests)."""
 
-    def __init__(self, engine, server_cls=uvicorn.Server, **kw):
+    def __init__(self, engine, server_cls=uvicorn.Server, header_timeout=None, **kw):
         self.engine, self.port = engine, free_port()
         self.app = create_app(engine, "tiny", **kw)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error")
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error",
+                                http=with_header_timeout(header_timeout))
         self.server = server_cls(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -173,10 +173,13 @@ def _serve_parser(sub) -> None:
     sv.add_argument("--max-queue", type=int, default=256)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or SPECBATCH_API_KEY)")
     sv.add_argument("--max-body", type=int, default=1 << 20, help="request body limit, bytes")
+    sv.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection may take to send a request's line and headers (then closed, "
+                         "with a 408 if it sent part of one; 0: no limit)")
     sv.add_argument("--body-timeout", type=float, default=60.0,
                     help="seconds a request body may take to arrive (then 408, connection closed)")
     sv.add_argument("--keep-alive-timeout", type=float, default=5.0,
-                    help="seconds an idle connection (no request headers yet) stays open")
+                    help="seconds a kept-alive connection may stay idle between requests")
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--kv-budget-mb", type=int, default=0, help="target KV budget; admission waits past it (0: none)")
     sv.add_argument("--prompt-cache-mb", type=int, default=256, help="prompt (prefix) cache bound")

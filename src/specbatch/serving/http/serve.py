@@ -16,6 +16,7 @@ import uvicorn
 
 from .app import create_app
 from .drain import CUT_WAIT_S, Drain
+from .protocol import DEFAULT_HEADER_TIMEOUT_S, with_header_timeout
 
 EXIT_CUT = 3
 DEFAULT_GRACE_S = 30.0
@@ -62,6 +63,7 @@ def serve(args, engine) -> int:
     grace = getattr(args, "shutdown_grace", DEFAULT_GRACE_S)
     # uvicorn's own timeout only bounds what is left after the drain (non-generation requests)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            http=with_header_timeout(getattr(args, "header_timeout", DEFAULT_HEADER_TIMEOUT_S)),
                             timeout_graceful_shutdown=int(CUT_WAIT_S),
                             timeout_keep_alive=int(getattr(args, "keep_alive_timeout", 5)))
     server = GracefulServer(config, app.state.drain, grace)
