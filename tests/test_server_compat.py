@@ -181,3 +181,39 @@ def test_health_and_metrics_show_the_waiting_prompt_tokens(model_dir):
     finally:
         gate.open()
         s.close()
+
+
+def test_health_and_metrics_show_a_prompt_prefilling_whole(tiny):
+    import json
+    import threading
+
+    from server_helpers import raw_request, read_response
+    from test_metrics import Watched
+
+    from specbatch.kernels.models import LoadedModel
+    model = Watched()
+    entered, release = threading.Event(), threading.Event()
+
+    def park():  # the engine thread waits inside the prompt's prefill until the test has looked
+        entered.set()
+        assert release.wait(60)
+
+    model.on_prefill = park
+    target = LoadedModel(model, tiny.tokenizer, "fake-target", 4096)
+    s = Served(new_engine(target, None, EngineConfig(speculation=False, prefill_chunk=8, prompt_cache_bytes=0)))
+    try:
+        body = {"prompt": list(range(3, 53)), "max_tokens": 4, "ignore_eos": True}
+        sock = raw_request(s.port, "POST", "/v1/completions", json.dumps(body).encode())
+        assert entered.wait(60)
+        health = httpx.get(f"{s.url}/health", timeout=30).json()
+        assert health["prefilling"] == 1 and health["admitting"] == 1 and health["admitting_prompt_tokens"] == 50
+        assert health["queue_depth"] == 0 and health["width"] == 0
+        text = httpx.get(f"{s.url}/metrics", timeout=30).text
+        assert "specbatch_prefilling 1\n" in text and "specbatch_admitting_prompt_tokens 50\n" in text
+        model.on_prefill = lambda: None
+        release.set()
+        assert read_response(sock)[0] == 200
+        assert httpx.get(f"{s.url}/health", timeout=30).json()["admitting"] == 0
+    finally:
+        release.set()
+        s.close()

@@ -134,10 +134,10 @@ def test_a_real_server_closes_a_connection_stalled_in_its_headers(model_dir, sen
 
     from server_helpers import Served, read_response
 
-    from specbatch import Engine
+    from specbatch.kernels.build import new_engine
     from specbatch.kernels.models import load
     from specbatch.runtime.config import EngineConfig
-    s = Served(Engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)), header_timeout=0.2)
+    s = Served(new_engine(load(model_dir["llama"]), None, EngineConfig(speculation=False)), header_timeout=0.2)
     try:
         sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
         sock.sendall(sent)  # then nothing: only the server's timeout ends the wait

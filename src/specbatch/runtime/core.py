@@ -24,7 +24,7 @@ from .params import SamplingParams
 from .plan import Lockstep, Plan, PlanRunner, fingerprint
 from .request import Request
 from .scheduler import Kernels, Scheduler
-from .stats import EngineStats
+from .stats import EngineStats, admitting
 
 log = structlog.get_logger(__name__)
 
@@ -209,7 +209,8 @@ class EngineCore:
         waiting = list(self.runner.waiting) + list(self._arrivals)  # copies: read from any thread
         depth = len(waiting) + queued
         return self.counters.snapshot(self.gauges, queue_depth=depth,
-                                      queued_prompt_tokens=queued_tokens + sum(len(r.prompt) for r in waiting))
+                                      queued_prompt_tokens=queued_tokens + sum(len(r.prompt) for r in waiting),
+                                      admitting=admitting(self.runner.live.values(), waiting))
 
     def __enter__(self) -> "EngineCore":
         return self

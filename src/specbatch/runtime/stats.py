@@ -72,9 +72,11 @@ class EngineStats:
             request.spec.accepted += accepted
             request.spec.rounds += 1
 
-    def snapshot(self, gauges: dict, queue_depth: int, **live) -> dict:
+    def snapshot(self, gauges: dict, queue_depth: int, admitting: list = (), **live) -> dict:
+        """``admitting``: requests being prefilled at admission (see :func:`admitting`); they
+        count as ``prefilling`` beside the arrivals the gauges show prefilling between rounds."""
         rows = sum(self.acceptance_histogram.values())
-        return {
+        out = {
             "requests_submitted": self.submitted,
             "requests_finished": self.finished,
             "finish_reasons": dict(self.finish_reasons),
@@ -95,3 +97,15 @@ class EngineStats:
             **live,
             **gauges,
         }
+        out["prefilling"] = gauges.get("prefilling", 0) + len(admitting)
+        out["admitting"] = len(admitting)
+        out["admitting_prompt_tokens"] = sum(len(r.prompt) for r in admitting)
+        return out
+
+
+def admitting(live, waiting) -> list:
+    """Of the engine's requests (``live``), those out of the queue with no token yet: their
+    prompts are being prefilled at admission, a long one whole in one step (safe from any
+    thread: reads copies and each request's own fields)."""
+    queued = {id(r) for r in waiting}
+    return [r for r in list(live) if id(r) not in queued and r.first_token_at is None and not r.finished]

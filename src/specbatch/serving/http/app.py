@@ -173,7 +173,8 @@ class API:
 
     async def health(self, request: Request):
         stats = self.engine.stats()
-        keys = ("state", "width", "queue_depth", "queued_prompt_tokens", "prefilling", "prefill_tokens")
+        keys = ("state", "width", "queue_depth", "queued_prompt_tokens", "prefilling", "prefill_tokens", "admitting",
+                "admitting_prompt_tokens")
         return JSONResponse({"status": "ok", **{k: stats.get(k, 0) for k in keys}})
 
     async def metrics(self, request: Request):

@@ -44,7 +44,12 @@ def render_metrics(stats: dict) -> str:
               ("specbatch_kv_used_bytes", "target KV bytes the held tokens need", stats["kv_used_bytes"]),
               ("specbatch_drafter_kv_bytes", "drafter KV bytes allocated", stats["drafter_kv_bytes"]),
               ("specbatch_prompt_cache_bytes", "prompt-cache bytes held", stats.get("prompt_cache_bytes", 0)),
-              ("specbatch_prefilling", "long arrivals prefilling between rounds", stats.get("prefilling", 0)),
+              ("specbatch_prefilling", "requests prefilling: long arrivals between rounds, and prompts "
+               "prefilled at admission", stats.get("prefilling", 0)),
+              ("specbatch_admitting", "requests prefilled at admission now (out of the queue, no token yet; a "
+               "long prompt prefilled whole shows here)", stats.get("admitting", 0)),
+              ("specbatch_admitting_prompt_tokens", "prompt tokens of those requests",
+               stats.get("admitting_prompt_tokens", 0)),
               ("specbatch_prefill_tokens", "prompt tokens those arrivals have prefilled so far", stats.get("prefill_tokens", 0)),
               ("specbatch_prefill_kv_bytes", "KV bytes held by arrivals still prefilling", stats.get("prefill_kv_bytes", 0))]
     for name, help_text, value in gauges:
