@@ -100,3 +100,42 @@ def test_limit_threads_caps_the_loaded_openblas_at_the_cores():
     assert got == cores()
     assert limit_threads(1) == 1
     limit_threads()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 16, 64])
+def test_share_cores_never_runs_more_threads_than_cores(monkeypatch, n):
+    from specbatch import openblas
+    capped = []
+    monkeypatch.setattr(openblas, "cores", lambda: n)
+    monkeypatch.setattr(openblas, "limit_threads", capped.append)
+    env = {}
+    blas, kernels = openblas.share_cores(env)
+    assert blas + kernels - 1 <= n and blas >= kernels >= 1  # MLX's stream thread is thread 0 of both
+    assert capped == [blas] and env["SPECBATCH_CPU_THREADS"] == str(kernels)
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"SPECBATCH_CPU_THREADS": "2"}, (1, 2)), ({"OPENBLAS_NUM_THREADS": "1"}, (1, 2)),
+    ({"SPECBATCH_CPU_THREADS": "99"}, (1, 2)), ({"OPENBLAS_NUM_THREADS": "x"}, (2, 1)),
+    ({"OPENBLAS_NUM_THREADS": "2", "SPECBATCH_CPU_THREADS": "2"}, (2, 2)),  # both given: the user's
+])
+def test_share_cores_keeps_what_the_user_set(monkeypatch, env, want):
+    from specbatch import openblas
+    monkeypatch.setattr(openblas, "cores", lambda: 2)
+    monkeypatch.setattr(openblas, "limit_threads", lambda n: n)
+    assert openblas.share_cores(dict(env)) == want
+
+
+def test_share_cores_sets_the_running_pools():
+    code = ("import os; os.environ.pop('SPECBATCH_CPU_THREADS', None); os.environ.pop('OPENBLAS_NUM_THREADS', None)\n"
+            "import mlx.core as mx; from specbatch.openblas import share_cores, limit_threads\n"
+            "mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))\n"
+            "blas, kernels = share_cores()\n"
+            "from specbatch.kernels import cpu\n"
+            "ext = cpu.extension()\n"
+            "print(blas, kernels, ext.threads() if ext else kernels, limit_threads(blas))")
+    out = subprocess.run([sys.executable, "-m", "specbatch.blas", "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    blas, kernels, pool, loaded = out.stdout.split()
+    assert pool == kernels and loaded in (blas, "None")

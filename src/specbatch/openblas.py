@@ -241,12 +241,7 @@ def limit_threads(n: int | None = None) -> int | None:
         env = os.environ.get("OPENBLAS_NUM_THREADS", "")
         n = int(env) if env.isdigit() and int(env) > 0 else cores()
     n = max(1, min(n, cores()))
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
+    for path in _loaded("openblas"):
         try:
             lib = ctypes.CDLL(path)
             lib.openblas_set_num_threads(ctypes.c_int(n))
@@ -254,3 +249,42 @@ def limit_threads(n: int | None = None) -> int | None:
         except (OSError, AttributeError):
             continue
     return None
+
+
+def _loaded(word: str) -> list[str]:
+    """Paths of the loaded shared libraries whose name holds ``word``."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if word in line.lower() and "/" in line})
+    except OSError:
+        return []
+
+
+def share_cores(env: dict[str, str] | None = None) -> tuple[int, int]:
+    """Split this process's cores between OpenBLAS and the CPU kernels' pool so that their
+    threads together never outnumber the cores. Both run on MLX's CPU stream thread (thread
+    0 of each), so ``blas + kernels - 1`` threads compute at most; numpy's own OpenBLAS (the
+    serving path does no numpy matmuls) is held to one. Unset, OpenBLAS gets the larger share
+    (prefill, wide batches); ``OPENBLAS_NUM_THREADS`` or ``SPECBATCH_CPU_THREADS`` given by
+    the user is kept (capped at the cores) and the other gets the rest. Call before the
+    kernels' pool starts (it reads ``SPECBATCH_CPU_THREADS`` once); returns ``(blas, kernels)``."""
+    env = os.environ if env is None else env
+
+    def given(name: str) -> int | None:
+        value = env.get(name, "")
+        return min(int(value), n) if value.isdigit() and int(value) > 0 else None
+
+    n = cores()
+    blas, kernels = given("OPENBLAS_NUM_THREADS"), given("SPECBATCH_CPU_THREADS")
+    if blas is None:
+        blas = (n + 2) // 2 if kernels is None else n + 1 - kernels
+    if kernels is None:
+        kernels = n + 1 - blas
+    env["SPECBATCH_CPU_THREADS"] = str(kernels)
+    limit_threads(blas)
+    for path in _loaded("scipy_openblas"):
+        try:
+            ctypes.CDLL(path).scipy_openblas_set_num_threads64_(ctypes.c_int(1))
+        except (OSError, AttributeError):
+            pass
+    return blas, kernels

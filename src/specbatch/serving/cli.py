@@ -92,7 +92,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    import structlog
+
+    from ..openblas import cores, share_cores
     from .http.serve import serve
+    blas, kernels = share_cores()  # before the kernels' pool starts: their threads never outnumber the cores
+    structlog.get_logger(__name__).info("threads", cores=cores(), blas=blas, cpu_kernels=kernels)
     engine = _engine(args, max_queue=args.max_queue, kv_budget_bytes=args.kv_budget_mb << 20,
                      prompt_cache_bytes=args.prompt_cache_mb << 20)
     return 0 if engine is None else serve(args, engine)
