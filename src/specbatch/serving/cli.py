@@ -92,12 +92,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import structlog
-
-    from ..openblas import cores, share_cores
     from .http.serve import serve
-    blas, kernels = share_cores()  # before the kernels' pool starts: their threads never outnumber the cores
-    structlog.get_logger(__name__).info("threads", cores=cores(), blas=blas, cpu_kernels=kernels)
     engine = _engine(args, max_queue=args.max_queue, kv_budget_bytes=args.kv_budget_mb << 20,
                      prompt_cache_bytes=args.prompt_cache_mb << 20)
     return 0 if engine is None else serve(args, engine)
@@ -246,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     from .. import logs
     from ..blas import active_blas
     logs.configure(getattr(args, "log_format", "console"), "info" if getattr(args, "verbose", False) else None)
-    from ..openblas import limit_threads
-    threads = limit_threads()  # the BLAS never runs more threads than this process's cores
+    from ..openblas import limit_threads, share_cores
+    # the BLAS never runs more threads than this process's cores; a server's BLAS and CPU
+    # kernels share them (before the kernels' pool starts, which `cpu.status()` below does)
+    threads = share_cores()[0] if args.func is cmd_serve else limit_threads()
     if getattr(args, "verbose", False):
         from ..kernels import cpu
         state = cpu.status()
