@@ -61,7 +61,10 @@ def test_bad_messages_are_400_naming_the_param(served, messages, param):
 
 @pytest.mark.parametrize("field, value", [
     ("response_format", {"type": "json_object"}), ("response_format", "text"), ("tools", [{"type": "function"}]),
-    ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("stream_options", {"include_usage": True})])
+    ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("stream_options", {"include_usage": True}),
+    ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}), ("reasoning_effort", "high"),
+    ("web_search_options", {}), ("min_p", 0.1), ("repetition_penalty", 1.3), ("min_tokens", 5),
+    ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"])])
 def test_fields_the_engine_cannot_honour_are_refused(served, field, value):
     r = chat(served, [{"role": "user", "content": "x"}], **{field: value})
     assert r.status_code == 400
@@ -70,7 +73,8 @@ def test_fields_the_engine_cannot_honour_are_refused(served, field, value):
 
 
 def test_harmless_values_of_those_fields_pass(served):
-    r = chat(served, [{"role": "user", "content": "x"}], response_format={"type": "text"}, tool_choice="none")
+    r = chat(served, [{"role": "user", "content": "x"}], response_format={"type": "text"}, tool_choice="none",
+             modalities=["text"], min_p=0, repetition_penalty=1.0, min_tokens=0)
     assert r.status_code == 200
 
 

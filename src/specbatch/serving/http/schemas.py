@@ -112,6 +112,13 @@ ROLES = ("system", "user", "assistant", "tool")
 MEDIA_PARTS = ("image_url", "input_audio", "image", "audio", "file", "input_image", "input_file")
 
 
+# Fields other servers honour that would change the output here: refused unless they hold
+# their no-op value (OpenAI's audio and search, vLLM's sampling and guided decoding).
+NO_OP = {"modalities": (["text"],), "audio": (), "web_search_options": (), "reasoning_effort": (),
+         "min_p": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "guided_json": (), "guided_regex": (),
+         "guided_choice": (), "guided_grammar": ()}
+
+
 def _unsupported(body: dict, chat: bool) -> None:
     """Fields the engine cannot honour: a 400 naming them, never a silent 200."""
     def refuse(name: str, why: str):
@@ -125,6 +132,10 @@ def _unsupported(body: dict, chat: bool) -> None:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             refuse(name, "no tool or function calling (only 'none')")
+    for name, harmless in NO_OP.items():
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or value not in harmless):
+            refuse(name, "this engine does not implement it" + (f" (only {harmless[0]!r})" if harmless else ""))
     if body.get("stream_options") is not None and not body.get("stream"):
         refuse("stream_options", "it is only allowed with 'stream': true")
     if not chat and body.get("suffix") is not None:
