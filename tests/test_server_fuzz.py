@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_helpers import Served, call
 
-from specbatch.runtime.config import EngineConfig
 from specbatch.kernels.build import new_engine
+from specbatch.runtime.config import EngineConfig
+from specbatch.tools.compat import exchange, verdict
+from specbatch.tools.compat_cases import matrix
 
 ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
           ("POST", "/v1/chat/completions"), ("GET", "/nope"), ("DELETE", "/v1/completions")]
@@ -162,3 +164,10 @@ def test_fuzz_never_5xx_and_a_seeded_request_is_unchanged(served):
     raw_bodies()
     headers()
     assert _seeded(served) == before
+
+
+@pytest.mark.parametrize("case", matrix(), ids=lambda c: c.name[:60])
+def test_the_compat_matrix(served, case):
+    """``python -m specbatch.tools.compat``'s matrix (run there against the real model) on the tiny one."""
+    status, body = exchange(served.port, case)
+    assert verdict(case, status, body) == "ok", (status, body[:300])
