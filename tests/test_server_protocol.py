@@ -115,6 +115,22 @@ def test_bytes_in_several_reads_share_one_clock():
     assert len(loop.timers) == 1 and len(loop.live()) == 1
 
 
+def test_a_kept_alive_connection_starts_a_new_clock_at_its_next_request():
+    import h11
+    protocol, loop, transport = connect()
+    protocol.data_received(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert loop.live() == []
+    for event in (h11.Response(status_code=200, headers=[("content-length", "0")]), h11.EndOfMessage()):
+        transport.write(protocol.conn.send(event))  # the app's answer, as uvicorn's cycle sends it
+    protocol.on_response_complete()
+    assert [t.delay for t in loop.live()] == [protocol.timeout_keep_alive]  # idle: keep-alive's, not ours
+    protocol.data_received(b"GET /hea")
+    assert [t.delay for t in loop.live()] == [0.5]  # the next request's first bytes: a new header clock
+    sent = len(transport.written)
+    loop.fire()
+    assert transport.closed and transport.written[sent:].startswith(b"HTTP/1.1 408 ")
+
+
 def test_no_timeout_means_no_timer():
     protocol, loop, transport = connect(timeout=None)
     protocol.data_received(b"GET /health HTTP/1.1\r\n")
