@@ -13,6 +13,7 @@ import uvicorn
 
 from specbatch.serving.http.app import create_app
 from specbatch.serving.http.protocol import with_header_timeout
+from specbatch.tools.compat import parse_response
 
 
 def free_port() -> int:
@@ -68,21 +69,7 @@ def read_response(sock: socket.socket) -> tuple[int, bytes]:
     while chunk := sock.recv(65536):
         data += chunk
     sock.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    if b"transfer-encoding: chunked" in head.lower():
-        body = _dechunk(body)
-    return int(head.split(b" ")[1]), body
-
-
-def _dechunk(body: bytes) -> bytes:
-    out = b""
-    while body:
-        size, _, rest = body.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            break
-        out, body = out + rest[:n], rest[n + 2:]
-    return out
+    return parse_response(data)
 
 
 def call(port: int, method: str, path: str, body: bytes = b"", headers: list | None = None) -> tuple[int, bytes]:

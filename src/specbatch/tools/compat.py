@@ -63,12 +63,17 @@ def exchange(port: int, case: Case, timeout: float = 120.0) -> tuple[int, bytes]
                 data += chunk
         except ConnectionResetError:  # closed with unread bytes of ours: what came before stands
             pass
-    head_bytes, _, body = data.partition(b"\r\n\r\n")
-    if not head_bytes:
+    return parse_response(data)
+
+
+def parse_response(data: bytes) -> tuple[int, bytes]:
+    """Status and (de-chunked) body of a whole HTTP/1.1 response; 0 when nothing came."""
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head:
         return 0, b""
-    if b"transfer-encoding: chunked" in head_bytes.lower():
+    if b"transfer-encoding: chunked" in head.lower():
         body = _dechunk(body)
-    return int(head_bytes.split(b" ")[1]), body
+    return int(head.split(b" ")[1]), body
 
 
 def _dechunk(body: bytes) -> bytes:
