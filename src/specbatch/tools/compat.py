@@ -140,8 +140,32 @@ def stalls(port: int, args) -> list[tuple[str, bool, str]]:
     return out
 
 
-def _stream_request() -> bytes:
-    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 64, "stream": True}).encode()
+def crowd(port: int, streams: int = 48) -> tuple[str, bool, str]:
+    """``streams`` concurrent streams, a third of whose clients leave after the first chunk:
+    every stream that stays ends with ``[DONE]`` and the server still answers."""
+    import concurrent.futures
+
+    def one(i: int) -> str:
+        with socket.create_connection(("127.0.0.1", port), timeout=300) as sock:
+            sock.sendall(_stream_request(max_tokens=16, seed=i))
+            data = sock.recv(65536)
+            if i % 3 == 0:
+                return "left"
+            while chunk := sock.recv(65536):
+                data += chunk
+        status, body = parse_response(data)
+        return "done" if status == 200 and body.rstrip().endswith(b"data: [DONE]") else f"{status} {body[-80:]!r}"
+
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        ends = collections.Counter(pool.map(one, range(streams)))
+    health, _ = exchange(port, Case("health", "GET", "/health", b"", 200))
+    ok = ends["done"] + ends["left"] == streams and health == 200
+    return f"crowd_{streams}_streams", ok, f"{dict(ends)}, then /health {health}"
+
+
+def _stream_request(max_tokens: int = 64, seed: int = 0) -> bytes:
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True, "seed": seed,
+                       "temperature": 0.8}).encode()
     return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body)) + body
 
@@ -176,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in matrix():
             status, body = exchange(port, case)
             results.append((case, verdict(case, status, body), f"{status} {body[:160]!r}"))
-        connection = stalls(port, args)
+        connection = stalls(port, args) + [crowd(port)]
         client = client_checks(f"http://127.0.0.1:{port}/v1")
     finally:
         server.terminate()
