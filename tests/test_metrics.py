@@ -58,8 +58,8 @@ def test_a_prompt_prefilled_whole_at_admission_shows_as_prefilling(tiny):
     model.on_prefill = lambda: seen.append(core.stats())
     with core:
         core.add(list(range(3, 33)), SamplingParams(max_tokens=4, ignore_eos=True))
-        core.step()  # an idle engine admits it at once: all 30 tokens (4 chunks) in this one step
-        assert len(seen) == 4
+        core.step()  # an idle engine admits it at once: all 30 tokens in this one step
+        assert seen  # every prefill forward of it (however its chunks are cut or merged) saw it
         for stats in seen:
             assert stats["prefilling"] == 1 and stats["admitting"] == 1 and stats["admitting_prompt_tokens"] == 30
             assert stats["queue_depth"] == 0 and stats["width"] == 0
