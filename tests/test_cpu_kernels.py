@@ -206,6 +206,35 @@ def test_paged_attention_with_a_slot_outside_the_pool_gives_nan_not_a_stray_read
     assert mx.isnan(out).all().item()
 
 
+_TWO_STREAMS = """
+import threading, specbatch, mlx.core as mx
+from specbatch.kernels import cpu
+w, x = mx.random.normal((4096, 576)), mx.random.normal((4, 576))
+ref = x @ w.T
+mx.eval(w, x, ref)
+wrong = []
+def work():
+    with mx.stream(mx.new_stream(mx.cpu)):
+        for _ in range(200):
+            y = cpu.linear(x, w)
+            wrong.append(not mx.allclose(y, ref, atol=1e-3).item())
+threads = [threading.Thread(target=work) for _ in range(2)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(sum(wrong))
+"""
+
+
+@needs_kernels
+def test_kernels_on_two_streams_at_once_take_turns_in_the_pool():
+    # two engines' streams computing together (one finishing a lookahead as the next starts)
+    # overwrote each other's job in the pool and crashed; in a child, so a crash is a failure
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _TWO_STREAMS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "0", (out.returncode, out.stderr[-2000:])
+
+
 def test_additive_masks_and_half_precision_use_mlx():
     q, k, v = (mx.random.normal((1, 2, 3, 8)) for _ in range(3))
     additive = mx.zeros((1, 1, 3, 3))

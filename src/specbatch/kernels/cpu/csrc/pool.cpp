@@ -40,6 +40,9 @@ void Pool::run(const std::function<void(int)>& fn) {
     fn(0);
     return;
   }
+  // Two engines' streams computing at once (one finishing a lookahead as the next starts)
+  // overwrote each other's job here: the calibration run crashed with a segfault.
+  std::lock_guard<std::mutex> turn(run_mu_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     job_ = &fn;

@@ -16,12 +16,14 @@ class Pool {
   explicit Pool(int threads);
   ~Pool();
   int size() const { return static_cast<int>(workers_.size()) + 1; }
-  // Runs fn(0..size()-1), part 0 on the calling thread; returns when all are done.
+  // Runs fn(0..size()-1), part 0 on the calling thread; returns when all are done. Callers
+  // on different threads (MLX runs one stream thread per stream) take turns.
   void run(const std::function<void(int)>& fn);
 
  private:
   void work(int id);
   std::vector<std::thread> workers_;
+  std::mutex run_mu_;  // one run at a time: a second stream's kernel waits for the first's
   std::mutex mu_;
   std::condition_variable wake_;
   const std::function<void(int)>* job_ = nullptr;
