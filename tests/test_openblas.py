@@ -139,3 +139,19 @@ def test_share_cores_sets_the_running_pools():
     assert out.returncode == 0, out.stderr
     blas, kernels, pool, loaded = out.stdout.split()
     assert pool == kernels and loaded in (blas, "None")
+
+
+def test_openblas_workers_sleep_between_calls_unless_the_user_says_otherwise():
+    # spinning idle workers took a core from the CPU kernels after every prefill
+    import subprocess
+    import sys
+
+    from specbatch import openblas
+    if openblas.openblas_path() is None:
+        pytest.skip("no usable OpenBLAS here")
+    code = "import os, specbatch; print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "LD_PRELOAD", openblas._MARK)}
+    ours = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    theirs = subprocess.run([sys.executable, "-c", code], env={**env, "OPENBLAS_THREAD_TIMEOUT": "20"},
+                            capture_output=True, text=True, timeout=120)
+    assert ours.stdout.strip() == "4" and theirs.stdout.strip() == "20"
