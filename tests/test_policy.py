@@ -106,13 +106,16 @@ def test_acceptance_by_position_from_a_histogram():
     assert acceptance_by_position({}, 3) == []
 
 
-def test_the_shipped_calibration_derives_a_conservative_prior():
-    """No cost table: the mtp pair speculates alone (its chain of one beat plain there) and
-    decodes plain at 16 rows (plain won from 8); the separate drafter never pays."""
+def test_the_shipped_calibration_speculates_alone_and_decodes_wide_batches_plain():
+    """The mtp pair's fitted cost table: a chain of one alone (it beat plain there), plain
+    at 16 rows (plain won from 2); the separate drafter (no cost table: the derived,
+    conservative prior) never pays."""
+    from specbatch.runtime.policy import CostModel, Prior
     table = json.loads(SHIPPED.read_text())
     pairs = next(iter(table.values()))
     base = pairs["SmolLM2-135M-Instruct.Q4_1.gguf+none"]
-    mtp = SpecPolicy(prior=derive_prior(pairs["SmolLM2-135M-Instruct.Q4_1.gguf+mtp"], base), max_k=4)
+    entry = pairs["SmolLM2-135M-Instruct.Q4_1.gguf+mtp"]
+    mtp = SpecPolicy(prior=Prior(CostModel.from_json(entry["cost"]), entry["acceptance"]), max_k=4)
     row = RowState(mtp.prior.acceptance)
     assert mtp.decide([row]) == Decision(1) and mtp.decide([row] * 16) == PLAIN
     assert 1 <= mtp.paying_width() < 8
