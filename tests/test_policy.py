@@ -101,6 +101,23 @@ def test_the_book_tracks_each_rows_acceptance_by_position_from_the_prior():
     assert book.row(a) == RowState((0.5, 0.4, 0.4), 0.0) and book.row(b).temperature == 0.7
 
 
+def test_plain_rounds_bring_a_rejected_row_back_to_speculating():
+    from specbatch.runtime.policy import CostModel
+    cost = CostModel(target_fixed_s=0.034, target_token_s=0.005, draft_fixed_s=0.001, draft_row_s=0.0)
+    policy = SpecPolicy(prior=Prior(cost, (0.3,)), max_k=2)
+    book, row = AcceptanceBook(policy.prior, depth=2), Req("a")
+    assert policy.decide(book.rows([row])) != PLAIN  # the prior pays
+    for _ in range(3):
+        book.observe([row], drafted=1, accepted=[0])
+    assert policy.decide(book.rows([row])) == PLAIN  # three rejections: plain
+    rounds = 0
+    while policy.decide(book.rows([row])) == PLAIN:  # plain rounds observe nothing but drift back
+        book.relax([row])
+        rounds += 1
+        assert rounds < 50
+    assert book.row(row).acceptance[0] < 0.3 and 1 < rounds  # tried again, not at once
+
+
 def test_acceptance_by_position_from_a_histogram():
     assert acceptance_by_position({0: 2, 1: 2, 2: 4}, 2) == [0.75, round(4 / 6, 4)]
     assert acceptance_by_position({}, 3) == []

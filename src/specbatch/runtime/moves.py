@@ -101,10 +101,12 @@ class Moves:
         return out
 
     def scalar_round(self, step: Step) -> RoundOutput:
-        return self._observe(self.scalar.step(self._decide([self.scalar.request])))
+        requests = [self.scalar.request]
+        return self._observe(requests, self.scalar.step(self._decide(requests)))
 
     def spec_round(self, step: Step) -> RoundOutput:
-        return self._observe(self.batch.spec_round(self._decide([r.request for r in self.batch.rows])))
+        requests = [r.request for r in self.batch.rows]
+        return self._observe(requests, self.batch.spec_round(self._decide(requests)))
 
     def plain_round(self, step: Step) -> RoundOutput:
         pipelined = self.config.pipeline and not (step.more_coming or self._ready(step))
@@ -117,9 +119,11 @@ class Moves:
         self.book.keep(requests)  # the policy decides the round from the live rows' acceptance
         return self.policy.decide(self.book.rows(requests))
 
-    def _observe(self, out: RoundOutput) -> RoundOutput:
+    def _observe(self, requests, out: RoundOutput) -> RoundOutput:
         if out.verify is not None:  # a verify round updates its rows' acceptance
             self.book.observe(out.verified, out.verify.drafted, out.verify.accepted)
+        else:  # decided plain: the rows drift back toward the prior, to be tried again
+            self.book.relax(requests)
         return out
 
     def _admit(self, step: Step) -> RoundOutput:
