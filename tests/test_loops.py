@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from helpers import make_request, run_batch, run_plain, run_scalar
 
-from specbatch.runtime.policy import Decision
+from specbatch.runtime.policy import PLAIN, Decision
 
 from specbatch.kernels.drafters.model import ModelDrafter
 from specbatch.kernels.loops.batch import BatchLoop
@@ -160,3 +160,20 @@ def test_a_burst_joins_an_armed_batch_in_one_prefill(tiny, tiny_draft, drafter_k
     assert [r.tokens for r in first + later] == plain
 
 
+
+
+def test_a_speculative_round_after_plain_rounds_drafts_from_the_sequence_as_it_is(tiny):
+    # the policy may decide plain for some rounds: the drafter (the target drafting for itself,
+    # so every draft is right) must still draft from the current sequence afterwards (a head
+    # drafter is handed the new hidden state after each plain round: it drafted from a stale one)
+    request = make_request(tiny, "def g(a, b):", max_tokens=30, temperature=0.0, ignore_eos=True)
+    scalar = ScalarLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model, batch=False), request)
+    scalar.start()
+    for _ in range(5):
+        scalar.step(PLAIN)
+    rounds = []
+    while request.emitted < 20:
+        out = scalar.step(Decision(3))
+        if out.verify is not None:
+            rounds.append(out.verify)
+    assert rounds and all(r.accepted[0] == r.drafted for r in rounds)

@@ -114,6 +114,9 @@ class ScalarLoop:
         [[token]], [lps] = sample_read(logits, self._rows, positions_from([self.request.emitted], 1))
         self.prev, self.pending = self.pending, token
         self._buffer.append((token, lps and lps[0]))
+        if self.drafter is not None:  # a head drafter drafts from the state that predicted the pending token
+            hidden = getattr(self.target, "hidden", None)
+            self.drafter.rollback([0], hidden=None if hidden is None else hidden[:, -1])
 
     def close(self) -> Handoff:
         """Stop here (usually mid-round) and hand everything to the batch loop."""
