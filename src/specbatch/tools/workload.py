@@ -44,19 +44,19 @@ CODE = [
 ]
 
 
-def texts(tokenizer, n: int) -> list[str]:
-    """``n`` prompt texts, chat questions and code completions alternating."""
+def texts(tokenizer, n: int, questions: list[str] = QUESTIONS) -> list[str]:
+    """``n`` prompt texts, chat ``questions`` and code completions alternating."""
     from ..kernels.models import chat_prompt
     out = []
     for i in range(n):
         if i % 2 == 0:
-            question = QUESTIONS[(i // 2) % len(QUESTIONS)]
+            question = questions[(i // 2) % len(questions)]
             out.append(chat_prompt(tokenizer, question) or question)
         else:
             out.append(CODE[(i // 2) % len(CODE)])
     return out
 
 
-def prompts(tokenizer, n: int) -> list[list[int]]:
+def prompts(tokenizer, n: int, questions: list[str] = QUESTIONS) -> list[list[int]]:
     """``n`` prompts as token ids (see ``texts``)."""
-    return [list(tokenizer.encode(t)) for t in texts(tokenizer, n)]
+    return [list(tokenizer.encode(t)) for t in texts(tokenizer, n, questions)]

@@ -26,16 +26,7 @@ TEMPERATURES = (0.0, 0.7)  # row i decodes at TEMPERATURES[i % 2]
 def held_out_prompts(tokenizer, n: int) -> list[list[int]]:
     """``n`` prompts from the questions calibration does not measure (the second dozen)
     and the code completions, alternating."""
-    from ...kernels.models import chat_prompt
-    questions = workload.QUESTIONS[12:]
-    texts = []
-    for i in range(n):
-        if i % 2 == 0:
-            question = questions[(i // 2) % len(questions)]
-            texts.append(chat_prompt(tokenizer, question) or question)
-        else:
-            texts.append(workload.CODE[(i // 2) % len(workload.CODE)])
-    return [list(tokenizer.encode(t)) for t in texts]
+    return workload.prompts(tokenizer, n, workload.QUESTIONS[12:])
 
 
 def mixed_tok_s(engine, prompts: list[list[int]], tokens: int) -> float:

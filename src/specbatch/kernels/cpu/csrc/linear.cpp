@@ -64,16 +64,27 @@ void SmallLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
     std::vector<float> xc, wc;
     const float* xp = row_major(x, xc);
     const float* wp = row_major(w, wc);
-    auto kernel = detect_isa() == Isa::avx512 ? gemv_avx512 : gemv_avx2;
-    auto& p = pool();
-    // contiguous column blocks, a multiple of 16 rows of w each (whole cache lines of y)
-    const int parts = std::min(p.size(), std::max(1, N / 64));
-    const int block = ((N + parts - 1) / parts + 15) / 16 * 16;
-    p.run([&](int part) {
-      if (part >= parts) return;
-      const int n0 = std::min(N, part * block), n1 = std::min(N, n0 + block);
-      if (n0 < n1) kernel(xp, M, K, wp, n0, n1, yp, N);
-    });
+    gemv_all(xp, M, K, {{wp, N, yp, N}});
+  });
+}
+
+void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) {
+  int N = 0;
+  for (const auto& t : targets) N += t.rows;
+  auto kernel = detect_isa() == Isa::avx512 ? gemv_avx512 : gemv_avx2;
+  auto& p = pool();
+  // contiguous column blocks, a multiple of 16 rows of w each (whole cache lines of y)
+  const int parts = std::min(p.size(), std::max(1, N / 64));
+  const int block = ((N + parts - 1) / parts + 15) / 16 * 16;
+  p.run([&](int part) {
+    if (part >= parts) return;
+    const int n0 = std::min(N, part * block), n1 = std::min(N, n0 + block);
+    int first = 0;  // the targets' rows [first, first + rows) in the joint numbering
+    for (const auto& t : targets) {
+      const int a = std::max(n0, first), b = std::min(n1, first + t.rows);
+      if (a < b) kernel(x, M, K, t.w, a - first, b - first, t.y, t.ldy);
+      first += t.rows;
+    }
   });
 }
 

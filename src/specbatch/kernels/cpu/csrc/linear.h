@@ -1,6 +1,8 @@
 // SmallLinear: y = x @ w.T for up to kMaxRows rows of x, as an MLX primitive (CPU only).
 #pragma once
 
+#include <vector>
+
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
@@ -9,6 +11,18 @@ namespace specbatch {
 namespace mx = mlx::core;
 
 constexpr int kMaxRows = 32;
+
+// One weight matrix of a pool pass: y[m * ldy + n] = x[m] . w[n] for n < rows.
+struct Target {
+  const float* w;  // [rows, K]
+  int rows;
+  float* y;  // [M, ldy]
+  int ldy;
+};
+
+// y_i = x @ w_i.T for every target, the pool splitting their rows (as one matrix) in column
+// blocks of whole cache lines; per element the same sums whatever the split.
+void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets);
 
 // x: [..., K] float32 with at most kMaxRows rows in all; w: [N, K] float32 -> [..., N].
 mx::array small_linear(const mx::array& x, const mx::array& w);

@@ -16,33 +16,6 @@
 namespace specbatch {
 
 namespace {
-struct Target {
-  const float* w;  // [n, K]
-  int n;
-  float* y;  // [M, ldy]
-  int ldy;
-};
-
-// y_i = x @ w_i.T for every target, the pool splitting their rows (as one matrix) in blocks.
-void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) {
-  int N = 0;
-  for (const auto& t : targets) N += t.n;
-  auto kernel = detect_isa() == Isa::avx512 ? gemv_avx512 : gemv_avx2;
-  auto& p = pool();
-  const int parts = std::min(p.size(), std::max(1, N / 64));
-  const int block = ((N + parts - 1) / parts + 15) / 16 * 16;
-  p.run([&](int part) {
-    if (part >= parts) return;
-    const int n0 = std::min(N, part * block), n1 = std::min(N, n0 + block);
-    int first = 0;  // the targets' rows [first, first + n) in the joint numbering
-    for (const auto& t : targets) {
-      const int a = std::max(n0, first), b = std::min(n1, first + t.n);
-      if (a < b) kernel(x, M, K, t.w, a - first, b - first, t.y, t.ldy);
-      first += t.n;
-    }
-  });
-}
-
 void check(const mx::array& x, const std::vector<const mx::array*>& ws) {
   if (x.dtype() != mx::float32 || x.ndim() < 1) throw std::invalid_argument("projections: float32 x [..., K]");
   for (const auto* w : ws)
