@@ -2,8 +2,10 @@
 
 A ``TargetRunner`` turns tokens ``[B, N]`` plus per-layer caches into logits
 ``[B, N, V]``, and keeps the last forward's final hidden states ``[B, N, D]`` (lazy) in
-``hidden`` for head drafters that read them (``None`` where it cannot). ``ModelRunner``
-wraps any mlx-lm model; a test or another server can pass its own object, with every
+``hidden`` for head drafters that read them (``None`` where it cannot); asked by
+``keep_layers``, also some layers' outputs in ``layer_hidden`` (an EAGLE-3-style head fuses
+them). ``draft_states`` is what the loops hand a head drafter. ``ModelRunner`` wraps any
+mlx-lm model; a test or another server can pass its own object, with every
 method of the Protocol (the loops call each of them).
 """
 
@@ -63,13 +65,31 @@ class ModelRunner:
         self.n_layers = len(model.layers)
         self.vocab_size = int(model.args.vocab_size)
         self.hidden: mx.array | None = None
+        self.layer_hidden: mx.array | None = None  # [B, N, len(kept) * D] where keep_layers asked
+        self.kept: tuple[int, ...] = ()
         # llama / qwen / mistral: model.model gives normed hidden states, then a plain head
         self._split = getattr(model, "model_type", None) in SPLIT_TYPES and hasattr(model, "model")
+
+    def keep_layers(self, layers) -> None:
+        """Keep these layers' outputs (pre-final-norm) of every later forward in ``layer_hidden``."""
+        if not self._split:
+            raise ValueError("this model's hidden states are not kept (not a llama/qwen/mistral model)")
+        self.kept = tuple(int(i) for i in layers)
+        for i in self.kept:
+            tap(self.model.layers[i], i)
+
+    def _run(self, tokens: mx.array, cache: list) -> mx.array:
+        """The final hidden states [B, N, D]; the kept layers' outputs as they pass."""
+        hidden = self.model.model(tokens, cache=cache)  # after the final norm
+        if self.kept:
+            outs = [self.model.layers[i]._sb_tap.out for i in self.kept]
+            self.layer_hidden = mx.concatenate(outs, axis=-1)  # [B, N, len(kept) * D]
+        return hidden
 
     def forward(self, tokens: mx.array, cache: list) -> mx.array:
         if not self._split:
             return self.model(tokens, cache=cache)
-        self.hidden = self.model.model(tokens, cache=cache)  # [B, N, D], after the final norm
+        self.hidden = self._run(tokens, cache)  # [B, N, D], after the final norm
         return self.head(self.hidden)
 
     def forward_last(self, tokens: mx.array, cache: list) -> mx.array:
@@ -77,7 +97,7 @@ class ModelRunner:
         the embedded target's weights) and its ``[B, N, V]`` logits at every other position."""
         if not self._split:
             return self.forward(tokens, cache)[:, -1, :]
-        self.hidden = self.model.model(tokens, cache=cache)  # [B, N, D]
+        self.hidden = self._run(tokens, cache)  # [B, N, D]
         return self.head(self.hidden[:, -1:])[:, 0]
 
     def forward_tree(self, tokens: mx.array, cache: list, positions: mx.array, visible: mx.array) -> mx.array:
@@ -104,6 +124,38 @@ class ModelRunner:
     def make_cache(self) -> list:
         from mlx_lm.models.cache import KVCache
         return [KVCache() for _ in range(self.n_layers)]
+
+
+class _Tap:
+    """Where a tapped layer leaves its last output (a plain object: not a parameter)."""
+
+    out: mx.array | None = None
+
+
+_tapped: dict[type, type] = {}
+
+
+def tap(layer: nn.Module, index: int) -> None:
+    """Make ``layer`` (this instance only, once) leave each output in ``layer._sb_tap.out``;
+    its parameters and every other layer stay as they were, so an unasked runner pays nothing."""
+    cls = type(layer)
+    if "_sb_tap" in vars(layer):
+        return
+    if cls not in _tapped:
+        def __call__(self, *args, **kwargs):
+            out = cls.__call__(self, *args, **kwargs)
+            self._sb_tap.out = out
+            return out
+        _tapped[cls] = type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
+    layer._sb_tap = _Tap()
+    layer.__class__ = _tapped[cls]
+
+
+def draft_states(runner) -> mx.array | None:
+    """What a head drafter reads from the last forward: the kept layers' outputs
+    ``[B, N, n * D]`` where it asked for them, else the final hidden states ``[B, N, D]``."""
+    layers = getattr(runner, "layer_hidden", None)
+    return getattr(runner, "hidden", None) if layers is None else layers
 
 
 def prefill_batch(runner: TargetRunner, prompts: list[list[int]]):

@@ -13,6 +13,11 @@ ids in ``vocab_ids``, FR-Spec style): it projects onto those rows of the target'
 layer only and scatters them into a full-vocabulary row filled with -inf, so a token
 outside the kept set is never proposed and the chooser and verify code see [B, V] as ever.
 
+EAGLE-3-style input (``fuse_layers`` in its config, target layer indices): the first step's
+``h`` is ``fc([h_low; h_mid; h_high])``, a learned ``[n * D -> D]`` fusion of those target
+layers' outputs (``ModelRunner.keep_layers``); later steps read the head's own output as
+ever. A head without the key is the plain one above, weights and arithmetic unchanged.
+
 Its only per-row state is that hidden state, so a cold start from a capture round is one
 array, not a re-prefill of history.
 """
@@ -52,7 +57,7 @@ def head_config(target_args, intermediate_size: int | None = None) -> dict:
 class MTPHead(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
-        block = {k: v for k, v in config.items() if k != "draft_vocab"}
+        block = {k: v for k, v in config.items() if k not in ("draft_vocab", "fuse_layers")}
         args = llama.ModelArgs(model_type="llama", num_hidden_layers=1, vocab_size=1, **block)
         D = args.hidden_size
         self.enorm = nn.RMSNorm(D, eps=args.rms_norm_eps)
@@ -60,11 +65,25 @@ class MTPHead(nn.Module):
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.block = llama.TransformerBlock(args)
         self.norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        self.fuse_layers = tuple(config.get("fuse_layers") or ())  # target layers fused at step 1
+        if self.fuse_layers:
+            self.fc = nn.Linear(len(self.fuse_layers) * D, D, bias=False)
         if config.get("draft_vocab"):
             self.vocab_ids = mx.zeros((int(config["draft_vocab"]),), dtype=mx.int32)
             self.freeze(keys=["vocab_ids"], recurse=False)
         self.config = config
         self.name = "mtp-head"  # where it was loaded from, once loaded
+
+    def first_input(self, states: mx.array) -> mx.array:
+        """The first step's ``h`` ``[..., D]`` from the target's states: the final hidden
+        ``[..., D]`` as it is, or (a fused head) the kept layers' ``[..., n * D]`` through ``fc``."""
+        if not self.fuse_layers:
+            return states
+        want = len(self.fuse_layers) * self.config["hidden_size"]
+        if states.shape[-1] != want:
+            raise ValueError(f"a fused MTP head needs the target's layers {list(self.fuse_layers)} "
+                             f"({want} features), got {states.shape[-1]}")
+        return self.fc(states)
 
     def step(self, h, emb, positions, ctx_keys, ctx_values, ctx_mask, own_keys, own_values):
         """One draft position per row. h, emb: [B, D]; positions: [B] (query positions).
@@ -128,6 +147,8 @@ class MTPDrafter:
 
     def __init__(self, head: MTPHead, runner):
         self.head, self.runner = head, runner
+        if head.fuse_layers:  # the loops then hand the kept layers' outputs (draft_states)
+            runner.keep_layers(head.fuse_layers)
         self.hidden: mx.array | None = None  # [B, D]: target hidden that predicted each pending token
         self._rows: mx.array | None = None  # the kept rows of the target's output layer [N, D]
 
@@ -228,17 +249,18 @@ class MTPDrafter:
         return [DraftTree(mx.array(t, dtype=mx.int32), TreeLayout.of_parents(p)) for t, p in trees]
 
     def commit_trees(self, paths: list[list[int]], hidden: mx.array | None = None) -> None:
-        """``hidden`` ``[B, D]``: the target state at each row's last accepted node."""
+        """``hidden`` ``[B, D]`` (``[B, n * D]``, fused): the target state at each row's last accepted node."""
         if hidden is not None:
-            self.hidden = hidden
+            self.hidden = self.head.first_input(hidden)
 
     def rollback(self, counts: list[int], hidden: mx.array | None = None) -> None:
         if hidden is not None:
-            self.hidden = hidden
+            self.hidden = self.head.first_input(hidden)
 
     def add_rows(self, histories: list[list[int]], hidden: mx.array | None = None) -> None:
         if hidden is None:
             raise ValueError("the MTP drafter needs the target's hidden state for new rows")
+        hidden = self.head.first_input(hidden)  # [B, D]
         self.hidden = hidden if self.hidden is None else mx.concatenate([self.hidden, hidden])
 
     def filter(self, keep: list[int]) -> None:
@@ -248,7 +270,7 @@ class MTPDrafter:
         self.hidden = None
 
     def cold_start(self, capture: Capture) -> None:
-        self.hidden = capture.hidden
+        self.hidden = None if capture.hidden is None else self.head.first_input(capture.hidden)
 
     def nbytes(self) -> int:
         return 0 if self.hidden is None else self.hidden.nbytes

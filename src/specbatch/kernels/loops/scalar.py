@@ -18,7 +18,7 @@ from ...runtime.output import RoundOutput
 from ...runtime.policy import PLAIN, Decision
 from ...runtime.request import Request
 from ..logprobs import sample_read
-from ..runner import TargetRunner
+from ..runner import TargetRunner, draft_states
 from ..sampling import RowSampling, positions_from
 from ..single_kv import SingleKV
 from .round import advance, first_token, speculate
@@ -115,7 +115,7 @@ class ScalarLoop:
         self.prev, self.pending = self.pending, token
         self._buffer.append((token, lps and lps[0]))
         if self.drafter is not None:  # a head drafter drafts from the state that predicted the pending token
-            hidden = getattr(self.target, "hidden", None)
+            hidden = draft_states(self.target)
             self.drafter.rollback([0], hidden=None if hidden is None else hidden[:, -1])
 
     def close(self) -> Handoff:

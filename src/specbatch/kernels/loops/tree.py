@@ -19,6 +19,7 @@ import structlog
 
 from ..drafters.base import DraftTree
 from ..logprobs import gather, read
+from ..runner import draft_states
 from ..sampling import RowSampling, perturbed, sample
 from ..tree_attention import compact_rows
 from ...runtime.tree_shape import TreeShape, walk
@@ -85,7 +86,7 @@ def tree_round(target, kv, drafter, pending: list[int], prev: list[int], rows: R
     paths = [walk(t.layout, drafted[b][:t.layout.size], toks[b]) for b, t in enumerate(trees)]
     compact_rows(kv, roots, paths)
     last = [p[-1] if p else 0 for p in paths]
-    hidden = target.hidden  # [B, N, D]
+    hidden = draft_states(target)  # [B, N, D] (or the kept layers')
     drafter.commit_trees(paths, hidden=None if hidden is None else hidden[mx.arange(B), mx.array(last)])
     nodes = [[0, *p] for p in paths]
     log.debug("tree_round", rows=B, nodes=[t.layout.size for t in trees], accepted=[len(p) for p in paths])

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from ...runtime.params import TokenLogprob
 from ..logprobs import gather, read
+from ..runner import draft_states
 from ..sampling import RowSampling, adjusted, filter_logits, position_noise, positions_from, sample
 
 # Other key streams of a seed for rejection mode, so they never reuse the target's noise.
@@ -148,14 +149,15 @@ def spec_round(target, target_cache: list, drafter, pending: list[int], prev: li
 
 
 def bonus_hidden(runner, accepted: list[int]) -> mx.array | None:
-    """The target hidden state that predicted each row's bonus token: ``[B, D]``."""
-    hidden = runner.hidden  # [B, k+1, D] from the verify forward
+    """The target state that predicted each row's bonus token: ``[B, D]`` (or the kept
+    layers' ``[B, n * D]``, ``draft_states``)."""
+    hidden = draft_states(runner)  # [B, k+1, D] from the verify forward
     if hidden is None:
         return None
     return hidden[mx.arange(len(accepted)), mx.array(accepted)]
 
 
 def last_hidden(runner) -> mx.array | None:
-    """``[B, D]``: the hidden state at the last position of the runner's latest forward."""
-    hidden = runner.hidden
+    """``[B, D]`` (or ``[B, n * D]``): the drafter's state at the last position of the runner's latest forward."""
+    hidden = draft_states(runner)
     return None if hidden is None else hidden[:, -1]
