@@ -4,8 +4,10 @@ A feature chunk (build/drafters/feats/<name>_NNNN.npz) holds a right-padded batc
 sequences that start at position 0: tokens [S, L], lengths [S], the target's final
 post-norm hidden states [S, L, D] (what ``ModelRunner.hidden`` holds and the MTP drafter
 feeds its head), its last-layer KV as the cache stores it (RoPE applied) [S, Hkv, L, d],
-and its greedy token after each position [S, L]. Right padding never changes a valid
-position under the causal mask.
+and its greedy token after each position [S, L]; asked for layers (an EAGLE-3-style head),
+also those layers' outputs, concatenated [S, L, n * D] (``ModelRunner.keep_layers``; such
+chunks go to their own folder, ``feats_folder``). Right padding never changes a valid
+position under the causal mask. The forward is the runner's, on the fast CPU kernels.
 """
 
 from __future__ import annotations
@@ -26,22 +28,28 @@ FEATS = BUILD / "feats"
 EOS = 2  # <|im_end|>
 
 
-def load_target():
+def load_target(path=None):
     from specbatch.kernels.models import demo_pair, load
-    return load(demo_pair()["target"])
+    return load(path or demo_pair()["target"])
 
 
-def generated_sequences(paths=None, max_len: int = 512) -> list[list[int]]:
+def feats_folder(layers=(), base: Path = FEATS) -> Path:
+    """Where features live: ``base``, or (with layer outputs) a folder named by the layers."""
+    return base if not layers else base.with_name(f"{base.name}_l{'-'.join(map(str, layers))}")
+
+
+def generated_sequences(paths=None, max_len: int = 768, eos: int = EOS, data: Path = DATA) -> list[list[int]]:
+    """Prompt + answer + EOS per generated row (a second turn's prompt holds the first chat)."""
     seqs = []
-    for path in paths if paths is not None else sorted(DATA.glob("gen_*.json")):
+    for path in paths if paths is not None else sorted(data.glob("gen_*.json")):
         for row in json.loads(path.read_text())["rows"]:
             ans = row["answer_ids"]
-            seqs.append((row["prompt_ids"] + ans + [EOS])[:max_len])
+            seqs.append((row["prompt_ids"] + ans + [eos])[:max_len])
     return seqs
 
 
-def text_sequences() -> list[list[int]]:
-    path = DATA / "text.npz"
+def text_sequences(data: Path = DATA) -> list[list[int]]:
+    path = data / "text.npz"
     return [] if not path.exists() else np.load(path)["tokens"].tolist()
 
 
@@ -59,24 +67,30 @@ def batches(seqs: list[list[int]], max_tokens: int = 4096) -> list[list[list[int
     return out
 
 
-def features(model, batch: list[list[int]]) -> dict:
-    from mlx_lm.models.cache import KVCache
+def features(model, batch: list[list[int]], layers=()) -> dict:
+    from specbatch.kernels.runner import ModelRunner
     L = max(len(s) for s in batch)
     tokens = np.zeros((len(batch), L), dtype=np.int32)
     for i, s in enumerate(batch):
         tokens[i, :len(s)] = s
-    cache = [KVCache() for _ in model.layers]
-    hidden = model.model(mx.array(tokens), cache=cache)  # [S, L, D], post final norm
-    greedy = mx.argmax(model.model.embed_tokens.as_linear(hidden), axis=-1).astype(mx.int32)
+    runner = ModelRunner(model)
+    if layers:
+        runner.keep_layers(layers)
+    cache = runner.make_cache()
+    greedy = mx.argmax(runner.forward(mx.array(tokens), cache), axis=-1).astype(mx.int32)  # [S, L]
+    hidden = runner.hidden  # [S, L, D], post final norm
     keys, values = cache[-1].keys[..., :L, :], cache[-1].values[..., :L, :]
-    mx.eval(hidden, greedy, keys, values)
+    out = {"hidden": hidden, "keys": keys, "values": values}
+    if layers:
+        out["layers"] = runner.layer_hidden  # [S, L, n * D], pre final norm
+    out = {k: v.astype(mx.float16) for k, v in out.items()}
+    mx.eval(greedy, out)
     return {"tokens": tokens, "lengths": np.array([len(s) for s in batch], dtype=np.int32),
-            "hidden": np.array(hidden.astype(mx.float16)), "keys": np.array(keys.astype(mx.float16)),
-            "values": np.array(values.astype(mx.float16)), "greedy": np.array(greedy)}
+            "greedy": np.array(greedy), **{k: np.array(v) for k, v in out.items()}}
 
 
 def extract(model, name: str, seqs: list[list[int]], deadline: float, max_tokens: int = 4096,
-            folder: Path = FEATS) -> int:
+            folder: Path = FEATS, layers=()) -> int:
     """Cache features chunk by chunk (resumable: chunks on disk are skipped)."""
     folder.mkdir(parents=True, exist_ok=True)
     groups = batches(seqs, max_tokens)
@@ -95,7 +109,7 @@ def extract(model, name: str, seqs: list[list[int]], deadline: float, max_tokens
         if time.time() > deadline:
             break
         tmp = path.with_name(path.stem + ".tmp.npz")
-        np.savez(tmp, **features(model, group))
+        np.savez(tmp, **features(model, group, layers))
         tmp.replace(path)  # atomic: a killed run leaves no half chunk
         bar.update(n)
         done += n
@@ -123,7 +137,8 @@ def sequences_of(chunks: list[dict]) -> list[dict]:
     for c in chunks:
         for i, n in enumerate(c["lengths"]):
             seqs.append({"tokens": c["tokens"][i, :n], "hidden": c["hidden"][i, :n], "keys": c["keys"][i, :, :n],
-                         "values": c["values"][i, :, :n], "greedy": c["greedy"][i, :n], "chunk": c["name"]})
+                         "values": c["values"][i, :, :n], "greedy": c["greedy"][i, :n], "chunk": c["name"]}
+                        | ({"layers": c["layers"][i, :n]} if "layers" in c else {}))
     return seqs
 
 
@@ -189,3 +204,35 @@ def timed_batches(seqs: list[dict], bs: int, rng: np.random.Generator, budget: f
             warm = min(1.0, (step + 1) / warmup)
             yield group, peak_lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / budget)))
             step += 1
+
+
+def continue_from(previous: Path, out: Path) -> None:
+    """A later stage (say, more unrolled steps) continues the previous run: its weights,
+    optimizer state and clock. A fresh AdamW on the trained head diverged at once (NaN
+    after one step, measured); the previous run's moments keep the first steps small.
+    Its best is not carried over: the held-out score of a different unroll is not comparable."""
+    import shutil
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("ckpt.safetensors", "opt.safetensors", "vocab_order.npy", "vocab_counts.npy"):
+        shutil.copy(previous / name, out / name)
+    state = json.loads((previous / "state.json").read_text())
+    state["best"], state["continued_from"] = None, str(previous)
+    (out / "state.json").write_text(json.dumps(state))
+    print(f"continuing {previous} at step {state['step']}")
+
+
+def vocab_order(out: Path, train_chunks: list[dict], data: Path, vocab_size: int, eos: int = EOS) -> np.ndarray:
+    """Token ids most frequent first over the training data's greedy labels and the target's
+    own answers (computed once per run folder, then read back)."""
+    path = out / "vocab_order.npy"
+    if not path.exists():
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for c in train_chunks:
+            for i, L in enumerate(c["lengths"]):
+                np.add.at(counts, c["greedy"][i, :L], 1)
+        for gen in sorted(data.glob("gen_*.json")):
+            for row in json.loads(gen.read_text())["rows"]:
+                np.add.at(counts, np.array(row["answer_ids"] + [eos], dtype=np.int64), 1)
+        np.save(path, np.lexsort((np.arange(vocab_size), -counts)).astype(np.int32))
+        np.save(out / "vocab_counts.npy", counts)
+    return np.load(path)

@@ -1,19 +1,24 @@
 """Token data for training drafters of the embedded target (SmolLM2-135M-Instruct).
 
-Writes to build/drafters/data/ (resumable: a chunk already saved is skipped):
+Writes to build/drafters/data/ (resumable: a chunk already saved is skipped; time-boxed):
 - text.npz: teacher-forcing text present on every machine (the Python standard library's
   sources, Debian's plain-text docs under /usr/share/doc, .gz decompressed), tokenized
   and cut into sequences of --seq tokens;
-- gen_NNNN.json: the target's own greedy answers (mlx-lm batch_generate, temperature 0)
-  to prompts built here from templates x topics: chat questions (ChatML template) and
-  raw Python completion prompts. scripts/heldout_prompts.json is never trained on.
-- magpie.json + gen_mNNNN.json: user questions the target writes itself (Magpie: sample
-  the user turn after the chat template's pre-query prefix at temperature 1), filtered,
-  then answered greedily like the templated ones. Templates x topics cover few shapes of
-  question; these cover the target's own spread of them. Chunks alternate templated and
-  self-written so a time box keeps both.
+- magpie.json: user questions the target writes itself (Magpie: sample the user turn after
+  the chat template's pre-query prefix at temperature 1), filtered. Templates x topics
+  (scripts/drafter_prompts.py) cover few shapes of question; these cover the target's own
+  spread of them. scripts/heldout_prompts.json is never trained on;
+- gen_*.json: the target's own answers, per prompt chunk (templated and self-written
+  chunks alternate, so a time box keeps both) four files: greedy (gen_NNNN / gen_mNNNN),
+  sampled at --temperature with a seed per row (gen_s*), and a second user turn (a
+  templated follow-up) after each of those answers, answered the same way (gen_t*, gen_ts*).
 
-    python -m specbatch.blas scripts/drafter_data.py --minutes 14
+Answers come from the project's own plain batch loop (BatchLoop over ModelRunner: the fast
+CPU kernels that ``models.load`` swaps in, paged KV), --width rows at once, a finished row's
+slot refilled from the chunk (continuous batching); a seeded row samples the same tokens at
+any width. ``--bench-widths 32,48`` times 30 s of greedy answers at each width and stops.
+
+    python -m specbatch.blas scripts/drafter_data.py --minutes 60
 """
 
 from __future__ import annotations
@@ -22,157 +27,20 @@ import argparse
 import gzip
 import json
 import random
+import sys
 import sysconfig
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).parent))
+from drafter_prompts import HELDOUT, build_prompts, encode_prompt, follow_up_ids  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "drafters" / "data"
-HELDOUT = Path(__file__).with_name("heldout_prompts.json")
-
-TOPICS = [
-    "black holes", "the French Revolution", "machine learning", "the water cycle", "volcanoes",
-    "the human heart", "electric cars", "the Roman Empire", "coffee", "honey bees", "chess",
-    "the stock market", "renewable energy", "the internet", "DNA", "earthquakes", "the Moon",
-    "ancient Egypt", "jazz music", "meditation", "the immune system", "glaciers", "rainforests",
-    "the printing press", "quantum computers", "solar panels", "the Great Wall of China",
-    "antibiotics", "the Olympic Games", "tea", "dinosaurs", "the periodic table", "democracy",
-    "credit cards", "the speed of light", "coral reefs", "the Renaissance", "composting",
-    "public libraries", "marathon running", "origami", "the moon landing", "wind turbines",
-    "cloud computing", "the Amazon river", "penguins", "nuclear energy", "the Silk Road",
-    "bees and pollination", "time zones", "the theory of evolution", "chocolate", "rainbows",
-    "electricity", "the human brain", "saving money", "public speaking", "learning a language",
-    "the blockchain", "Mars", "tsunamis", "vitamins", "the Industrial Revolution", "whales",
-    "operating systems", "encryption", "the Eiffel Tower", "recycling", "GPS", "sourdough",
-    "video games", "the stomach", "lightning", "deserts", "democracy in ancient Athens",
-    "open source software", "databases", "the Pythagorean theorem", "prime numbers",
-    "climate change", "orchestras", "airplanes", "submarines", "the Sahara", "photography",
-]
-CHAT_TEMPLATES = [
-    "What is {t}?", "Explain {t} in simple terms.", "Tell me three interesting facts about {t}.",
-    "Why is {t} important?", "Write a short paragraph about {t}.", "How does {t} work?",
-    "Give me a brief history of {t}.", "What are the pros and cons of {t}?",
-    "Explain {t} to a ten-year-old.", "Write a haiku about {t}.",
-    "What are common misconceptions about {t}?", "Summarize the key ideas of {t} in a list.",
-]
-GENERAL_CHAT = [
-    "How do I make a good cup of tea?", "Write a thank-you note to a teacher.",
-    "What is the capital of Australia?", "How many continents are there? Name them.",
-    "Give me a recipe for pancakes.", "What is 17 times 23?", "Translate 'good morning' into French and Spanish.",
-    "Write a limerick about a programmer.", "How can I be more productive when working from home?",
-    "What is the difference between a virus and a bacterium?", "Suggest five names for a pet dog.",
-    "How do I change a flat tire?", "What does a CPU do?", "Write a short story about a robot who learns to paint.",
-    "What is the tallest mountain in the world?", "Give me tips for a job interview.",
-    "How do I write a good resume?", "What is the boiling point of water at sea level?",
-    "Explain the rules of tic-tac-toe.", "What are good habits for learning to code?",
-    "Write a Python function that checks whether a number is prime.",
-    "Write a Python function that sorts a list of dictionaries by a key.",
-    "How do I read a CSV file in Python?", "What is a Python decorator? Show an example.",
-    "Explain what git is and why developers use it.", "What is the difference between SQL and NoSQL?",
-    "Write a bash command that counts the lines in every .txt file in a folder.",
-    "How do I handle exceptions in Python?", "What is object-oriented programming?",
-    "Explain Big O notation with examples.", "What is a REST API?",
-    "Write a JavaScript function that returns the largest number in an array.",
-    "How do I create a virtual environment in Python?", "What is a linked list?",
-    "Explain the difference between a process and a thread.", "What is an HTTP status code 404?",
-]
-CODE_TASKS = [  # (signature, docstring)
-    ("is_prime(n)", "Return True if n is a prime number."),
-    ("is_palindrome(s)", "Return True if s reads the same forwards and backwards."),
-    ("sum_of_squares(numbers)", "Return the sum of the squares of numbers."),
-    ("max_subarray(nums)", "Return the largest sum of a contiguous subarray of nums."),
-    ("transpose(matrix)", "Return the transpose of a matrix given as a list of lists."),
-    ("rotate_list(items, k)", "Rotate items to the right by k positions."),
-    ("count_words(text)", "Return the number of words in text."),
-    ("to_snake_case(name)", "Convert a CamelCase name to snake_case."),
-    ("parse_date(text)", "Parse a date in YYYY-MM-DD format and return a datetime.date."),
-    ("mean(values)", "Return the arithmetic mean of values."),
-    ("variance(values)", "Return the population variance of values."),
-    ("bubble_sort(items)", "Sort items in place with bubble sort and return them."),
-    ("quicksort(items)", "Return a sorted copy of items using quicksort."),
-    ("merge_sort(items)", "Return a sorted copy of items using merge sort."),
-    ("find_max(items)", "Return the largest element of items without using max()."),
-    ("digits_sum(n)", "Return the sum of the decimal digits of n."),
-    ("power_set(items)", "Return all subsets of items as a list of lists."),
-    ("permutations(items)", "Return all permutations of items."),
-    ("lcm(a, b)", "Return the least common multiple of a and b."),
-    ("is_leap_year(year)", "Return True if year is a leap year."),
-    ("roman_to_int(s)", "Convert a Roman numeral to an integer."),
-    ("int_to_binary(n)", "Return the binary representation of n as a string."),
-    ("caesar_cipher(text, shift)", "Encrypt text with a Caesar cipher."),
-    ("validate_email(address)", "Return True if address looks like a valid email address."),
-    ("group_by_length(words)", "Group words into a dict keyed by their length."),
-    ("second_largest(numbers)", "Return the second largest distinct number."),
-    ("running_total(numbers)", "Return the list of running totals of numbers."),
-    ("dot_product(a, b)", "Return the dot product of two equal-length vectors."),
-    ("normalize(vector)", "Return vector scaled to unit length."),
-    ("zip_to_dict(keys, values)", "Build a dict from parallel lists of keys and values."),
-    ("invert_dict(d)", "Return a dict mapping each value of d to its key."),
-    ("most_common(items)", "Return the most common element of items."),
-    ("char_histogram(text)", "Return a dict counting each character in text."),
-    ("is_balanced(expr)", "Return True if the brackets in expr are balanced."),
-    ("levenshtein(a, b)", "Return the edit distance between strings a and b."),
-    ("primes_up_to(n)", "Return all primes up to n using the sieve of Eratosthenes."),
-    ("collatz_steps(n)", "Return how many Collatz steps it takes n to reach 1."),
-    ("write_csv(path, rows)", "Write rows (a list of lists) to a CSV file at path."),
-    ("fetch_json(url)", "Download url and return the parsed JSON body."),
-    ("list_python_files(folder)", "Return the paths of all .py files under folder."),
-    ("safe_divide(a, b)", "Return a / b, or None when b is zero."),
-    ("clamp(x, low, high)", "Clamp x to the range [low, high]."),
-    ("triangle_area(a, b, c)", "Return the area of a triangle with sides a, b and c."),
-    ("is_sorted(items)", "Return True if items is sorted in ascending order."),
-    ("pairwise_sums(nums, target)", "Return the pairs of numbers in nums that add up to target."),
-    ("strip_html(text)", "Remove HTML tags from text."),
-    ("camel_case(words)", "Join words into a camelCase identifier."),
-    ("elapsed(start, end)", "Return the seconds between two datetime objects."),
-]
-CODE_FORMS = [
-    'def {sig}:\n    """{doc}"""\n',
-    'def {sig}:\n    """{doc}\n\n    Args and return value are documented above.\n    """\n',
-    '# {doc}\ndef {sig}:\n',
-    'from typing import List\n\n\ndef {sig}:\n    """{doc}"""\n',
-    'import math\n\n\ndef {sig}:\n    """{doc}"""\n',
-]
-CODE_CHAT = ["Write a Python function `{sig}`: {doc}", "Implement `{sig}` in Python. {doc} Add a short example.",
-             "Explain how to write `{sig}` in Python. {doc}"]
-CLASS_PROMPTS = [
-    'class {name}:\n    """{doc}"""\n\n    def __init__(self{args}):\n' for _ in range(1)
-][0]
-CLASSES = [("Queue", "A first-in first-out queue.", ""), ("BankAccount", "A bank account with a balance.", ", owner, balance=0"),
-           ("Point", "A point in two dimensions.", ", x, y"), ("Counter", "Counts occurrences of items.", ""),
-           ("Matrix", "A small dense matrix.", ", rows"), ("Timer", "Measures elapsed wall-clock time.", ""),
-           ("LRUCache", "A least-recently-used cache with a fixed capacity.", ", capacity"),
-           ("Node", "A node of a singly linked list.", ", value, next=None"),
-           ("Inventory", "Tracks items and quantities in a shop.", ""),
-           ("Rectangle", "A rectangle with a width and a height.", ", width, height")]
-
-
-def build_prompts(seed: int) -> list[dict]:
-    held = json.loads(HELDOUT.read_text())
-    held_set = set(held["chat"]) | set(held["code"])
-    rng = random.Random(seed)
-    chat = [tmpl.format(t=t) for t in TOPICS for tmpl in CHAT_TEMPLATES]
-    rng.shuffle(chat)
-    chat = GENERAL_CHAT + chat[:360]
-    chat += [form.format(sig=s, doc=d) for (s, d) in CODE_TASKS for form in CODE_CHAT[:1]]
-    chat += [rng.choice(CODE_CHAT[1:]).format(sig=s, doc=d) for (s, d) in CODE_TASKS]
-    code = [rng.choice(CODE_FORMS).format(sig=s, doc=d) for (s, d) in CODE_TASKS]
-    code += [rng.choice(CODE_FORMS).format(sig=s, doc=d) for (s, d) in CODE_TASKS]
-    code += [CLASS_PROMPTS.format(name=n, doc=d, args=a) for (n, d, a) in CLASSES]
-    items = [{"kind": "chat", "prompt": p} for p in dict.fromkeys(chat) if p not in held_set]
-    items += [{"kind": "code", "prompt": p} for p in dict.fromkeys(code) if p not in held_set]
-    rng.shuffle(items)  # a time box cut keeps both kinds
-    return items
-
-
-def encode_prompt(tokenizer, item) -> list[int]:
-    if item["kind"] == "chat":
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
-                                                  add_generation_prompt=True, tokenize=True))
-    return list(tokenizer.encode(item["prompt"]))
 
 
 def text_files(rng: random.Random) -> list[Path]:
@@ -195,8 +63,8 @@ def read_text(path: Path) -> str | None:
     return text if text.strip() and "\x00" not in text else None
 
 
-def make_text(tokenizer, seed: int, seq: int, max_tokens: int) -> None:
-    out = OUT / "text.npz"
+def make_text(tokenizer, seed: int, seq: int, max_tokens: int, folder: Path) -> None:
+    out = folder / "text.npz"
     if out.exists():
         print(f"{out} exists: skipping text")
         return
@@ -230,97 +98,192 @@ def make_text(tokenizer, seed: int, seq: int, max_tokens: int) -> None:
     print(f"text: {len(seqs)} sequences x {seq} tokens ({sum(sources)} from docs)")
 
 
-def make_magpie(target, n: int, seed: int, deadline: float, max_tokens: int = 72) -> list[dict]:
+
+def decode(runner, tokenizer, jobs: list[tuple[list[int], object]], width: int, deadline: float | None = None):
+    """Requests for ``jobs`` (prompt ids, SamplingParams), decoded plain by the project's batch
+    loop, ``width`` rows at once; a finished row's slot is refilled at once (bursts of up to 8
+    prompts of similar length share one left-padded prefill). ``deadline``: stop there."""
+    from specbatch.kernels.loops.batch import BatchLoop
+    from specbatch.runtime.request import Request
+    requests = [Request.create(ids, params, tokenizer) for ids, params in jobs]
+    queue = sorted(requests, key=lambda r: len(r.prompt))
+    loop = BatchLoop(runner)
+    while queue or loop.width:
+        if deadline is not None and time.time() > deadline:
+            break
+        if loop.settled:
+            loop.reap()
+            free = width - loop.width
+            if queue and (free >= max(1, width // 8) or loop.width < width // 2):
+                take, queue = queue[:free], queue[free:]
+                for i in range(0, len(take), 8):
+                    loop.admit_many(take[i:i + 8])
+        if loop.width:
+            loop.plain_round()
+    loop.settle()
+    return requests
+
+
+def answer_ids(request) -> list[int]:
+    """The generated ids without the stop token (the drafter scripts append EOS themselves)."""
+    toks = list(request.tokens)
+    return toks[:-1] if request.finish_reason == "stop" and toks and toks[-1] in request.eos_ids else toks
+
+
+def row_seed(seed: int, name: str, i: int) -> int:
+    return zlib.crc32(f"{seed}:{name}:{i}".encode()) & 0x7FFFFFFF
+
+
+def make_magpie(runner, tok, n: int, seed: int, deadline: float, folder: Path, width: int,
+                max_tokens: int = 72) -> list[dict]:
     """Questions the target writes itself after its chat template's pre-query prefix."""
-    path = OUT / "magpie.json"
+    from specbatch.runtime.params import SamplingParams
+    path = folder / "magpie.json"
     if path.exists():
         return json.loads(path.read_text())
-    import mlx.core as mx
-    from mlx_lm.generate import batch_generate
-    from mlx_lm.sample_utils import make_sampler
-    tok = target.tokenizer
     marker = "XQZMARK"
     text = tok.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False)
     prefix = tok.encode(text[:text.index(marker)], add_special_tokens=False)
     held = json.loads(HELDOUT.read_text())
     seen = {p.strip().lower() for p in held["chat"] + held["code"]}
-    mx.random.seed(seed)
-    sampler = make_sampler(temp=1.0, top_p=0.95)
     out: list[dict] = []
     bar = tqdm(total=n, desc="self-written questions")
-    while len(out) < n and time.time() < deadline:
-        res = batch_generate(target.model, tok, [prefix] * 32, max_tokens=max_tokens,
-                             return_token_ids=True, sampler=sampler)
-        for ids in res.token_ids:
-            ids = [int(t) for t in ids]
-            if not 4 <= len(ids) < max_tokens:  # the stop token is not returned: full length = cut off
+    tries = 0
+    while len(out) < n and time.time() < deadline and tries < 4 * n:
+        jobs = [(prefix, SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95,
+                                        seed=row_seed(seed, "magpie", tries + i))) for i in range(2 * width)]
+        tries += len(jobs)
+        for r in decode(runner, tok, jobs, width, deadline):
+            if r.finish_reason != "stop":  # cut off (or the time box): not a whole question
                 continue
-            q = tok.decode(ids).strip()
+            q = tok.decode(answer_ids(r)).strip()
             if len(q) < 12 or q.lower() in seen or "<|im_" in q:
                 continue
             seen.add(q.lower())
             out.append({"kind": "chat", "prompt": q, "source": "magpie"})
             bar.update(1)
     bar.close()
-    path.write_text(json.dumps(out, indent=0))
-    print(f"{len(out)} self-written questions")
-    return out
+    path.write_text(json.dumps(out[:n], indent=0))
+    print(f"{len(out[:n])} self-written questions")
+    return out[:n]
 
 
-def generation_plan(items: list[dict], magpie: list[dict], chunk: int) -> list[tuple[Path, list[dict]]]:
-    """(output file, prompts) per chunk, templated and self-written chunks alternating."""
-    plain = [(OUT / f"gen_{c:04d}.json", items[c * chunk:(c + 1) * chunk]) for c in range(0, (len(items) + chunk - 1) // chunk)]
-    mag = [(OUT / f"gen_m{c:04d}.json", magpie[c * chunk:(c + 1) * chunk]) for c in range(0, (len(magpie) + chunk - 1) // chunk)]
-    todo_plain = [pc for pc in plain if not pc[0].exists()]
-    order = [pc for pc in plain if pc[0].exists()]
-    for i in range(max(len(todo_plain), len(mag))):
-        order += todo_plain[i:i + 1] + mag[i:i + 1]
+def generation_plan(items: list[dict], magpie: list[dict], chunk: int, folder: Path) -> list[tuple[Path, list[dict], str]]:
+    """(output file, prompts, mode) per chunk: templated and self-written prompt chunks
+    alternate; each gives greedy, sampled, and second-turn files after either (mode
+    "greedy", "sampled", "turn2:<file the first turn is in>")."""
+    cut = lambda xs: [xs[c:c + chunk] for c in range(0, len(xs), chunk)]  # noqa: E731
+    plain, mag = cut(items), cut(magpie)
+    named = []
+    for i in range(max(len(plain), len(mag))):
+        named += [(f"{c:04d}", plain[c]) for c in [i] if c < len(plain)]
+        named += [(f"m{c:04d}", mag[c]) for c in [i] if c < len(mag)]
+    order = []
+    for name, part in named:
+        greedy, sampled = folder / f"gen_{name}.json", folder / f"gen_s{name}.json"
+        order += [(greedy, part, "greedy"), (sampled, part, "sampled"),
+                  (folder / f"gen_t{name}.json", part, f"turn2:{greedy.name}"),
+                  (folder / f"gen_ts{name}.json", part, f"turn2:{sampled.name}")]
     return order
 
 
-def make_generations(target, plan: list[tuple[Path, list[dict]]], max_tokens: int, deadline: float) -> None:
-    from mlx_lm.generate import batch_generate
-    tok = target.tokenizer
-    done = sum(path.exists() for path, _ in plan)
+def chunk_jobs(tok, path: Path, part: list[dict], mode: str, args) -> tuple[list[dict], list]:
+    """The rows (without answers) and (prompt ids, SamplingParams) jobs of one chunk."""
+    from specbatch.runtime.params import SamplingParams
+    if mode.startswith("turn2:"):  # after each whole first-turn chat answer, a follow-up
+        first = json.loads((path.parent / mode[len("turn2:"):]).read_text())["rows"]
+        rng = random.Random(row_seed(args.seed, path.name, 0))
+        rows = []
+        for row in first:
+            if row["kind"] != "chat" or row.get("finish") != "stop":
+                continue
+            follow, ids = follow_up_ids(tok, row, row["answer_ids"], rng)
+            rows.append({**{k: v for k, v in row.items() if k not in ("prompt_ids", "answer_ids")},
+                         "turn": 2, "follow_up": follow, "prompt_ids": ids})
+    else:
+        rows = [{**it, "mode": mode, "turn": 1, "prompt_ids": encode_prompt(tok, it)} for it in part]
+    jobs = []
+    for i, row in enumerate(rows):
+        temp = args.temperature if row["mode"] == "sampled" else 0.0
+        jobs.append((row["prompt_ids"], SamplingParams(max_tokens=args.max_tokens, temperature=temp,
+                                                       seed=row_seed(args.seed, path.name, i))))
+    return rows, jobs
+
+
+def make_generations(runner, tok, plan, args, deadline: float) -> int:
+    """Answer the plan's chunks in order (a saved chunk is skipped); the answer tokens made."""
+    done = sum(path.exists() for path, _, _ in plan)
     bar = tqdm(total=len(plan), initial=done, desc="generation chunks")
-    for path, part in plan:
+    made = 0
+    for path, part, mode in plan:
         if path.exists():
             continue
-        if time.time() > deadline:
-            print("time box reached: stopping generation")
-            break
-        prompts = [encode_prompt(tok, it) for it in part]
+        if mode.startswith("turn2:") and not (path.parent / mode[len("turn2:"):]).exists():
+            continue  # its first turn was cut by a time box
         t0 = time.time()
-        res = batch_generate(target.model, tok, prompts, max_tokens=max_tokens, return_token_ids=True)
-        n = sum(len(a) for a in res.token_ids)
-        rows = [{**it, "prompt_ids": p, "answer_ids": [int(t) for t in a]} for it, p, a in zip(part, prompts, res.token_ids)]
-        path.write_text(json.dumps({"rows": rows, "seconds": time.time() - t0, "tokens": n}))
+        rows, jobs = chunk_jobs(tok, path, part, mode, args)
+        requests = decode(runner, tok, jobs, args.width, deadline)
+        if time.time() > deadline:
+            print("time box reached: stopping generation (this chunk is not saved)")
+            break
+        for row, r in zip(rows, requests):
+            row["answer_ids"], row["finish"] = answer_ids(r), r.finish_reason
+        n = sum(len(r["answer_ids"]) for r in rows)
+        made += n
+        tmp = path.with_name(path.stem + ".tmp")
+        tmp.write_text(json.dumps({"rows": rows, "seconds": time.time() - t0, "tokens": n, "width": args.width}))
+        tmp.replace(path)  # atomic: a killed run leaves no half chunk
         bar.update(1)
-        bar.set_postfix(tok_s=f"{n / (time.time() - t0):.0f}")
+        bar.set_postfix(tok_s=f"{n / (time.time() - t0):.0f}", tokens=made)
     bar.close()
+    return made
+
+
+def bench_widths(runner, tok, items: list[dict], widths: list[int], seconds: float, max_tokens: int) -> None:
+    """Greedy answer tokens per second at each width over ``seconds`` (prefills included)."""
+    from specbatch.runtime.params import SamplingParams
+    jobs = [(encode_prompt(tok, it), SamplingParams(max_tokens=max_tokens, seed=0)) for it in items]
+    for w in widths:
+        t0 = time.time()
+        reqs = decode(runner, tok, jobs[:6 * w], w, t0 + seconds)
+        n = sum(len(r.tokens) for r in reqs)
+        print(f"width {w}: {n} answer tokens in {time.time() - t0:.1f} s = {n / (time.time() - t0):.0f} tok/s", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=13.0, help="time box for the whole script")
+    ap.add_argument("--minutes", type=float, default=60.0, help="time box for the whole script")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seq", type=int, default=512, help="teacher-forcing sequence length")
     ap.add_argument("--text-tokens", type=int, default=1_500_000, help="text tokens to keep")
-    ap.add_argument("--chunk", type=int, default=24, help="prompts per batch_generate call")
-    ap.add_argument("--magpie", type=int, default=640, help="self-written questions to answer")
-    ap.add_argument("--magpie-minutes", type=float, default=6.0, help="time box for writing them")
+    ap.add_argument("--width", type=int, default=48, help="rows decoded at once (measured best of 32/48/64)")
+    ap.add_argument("--chunk", type=int, default=192, help="prompts per saved chunk")
+    ap.add_argument("--prompts", type=int, default=None, help="templated prompts kept (default: all)")
+    ap.add_argument("--magpie", type=int, default=1200, help="self-written questions to answer")
+    ap.add_argument("--magpie-minutes", type=float, default=8.0, help="time box for writing them")
     ap.add_argument("--max-tokens", type=int, default=224, help="answer length cap")
+    ap.add_argument("--temperature", type=float, default=0.7, help="of the sampled answers")
+    ap.add_argument("--target", default=None, help="the target (default: the embedded one)")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--bench-widths", default=None, help="e.g. 32,48,64: time each width and stop")
     args = ap.parse_args()
     deadline = time.time() + args.minutes * 60
-    OUT.mkdir(parents=True, exist_ok=True)
     from specbatch.kernels.models import demo_pair, load
-    target = load(demo_pair()["target"])
-    items = build_prompts(args.seed)
-    (OUT / "prompts.json").write_text(json.dumps(items, indent=0))
+    from specbatch.kernels.runner import ModelRunner
+    target = load(args.target or demo_pair()["target"])
+    runner, tok = ModelRunner(target.model), target.tokenizer
+    items = build_prompts(args.seed)[:args.prompts]
+    if args.bench_widths:
+        return bench_widths(runner, tok, items, [int(w) for w in args.bench_widths.split(",")], 30.0, args.max_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "prompts.json").write_text(json.dumps(items, indent=0))
     print(f"{len(items)} training prompts ({sum(i['kind'] == 'code' for i in items)} code)")
-    make_text(target.tokenizer, args.seed, args.seq, args.text_tokens)
-    magpie = make_magpie(target, args.magpie, args.seed, time.time() + args.magpie_minutes * 60)
-    make_generations(target, generation_plan(items, magpie, args.chunk), args.max_tokens, deadline)
+    make_text(tok, args.seed, args.seq, args.text_tokens, args.out)
+    magpie = make_magpie(runner, tok, args.magpie, args.seed, min(deadline, time.time() + args.magpie_minutes * 60),
+                         args.out, args.width)
+    made = make_generations(runner, tok, generation_plan(items, magpie, args.chunk, args.out), args, deadline)
+    total = sum(json.loads(p.read_text())["tokens"] for p in args.out.glob("gen_*.json"))
+    print(f"answer tokens: {made} this run, {total} in {args.out}")
 
 
 if __name__ == "__main__":

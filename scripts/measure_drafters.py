@@ -40,13 +40,13 @@ def summarize(ok: np.ndarray, kinds: list[str]) -> dict:
     return out
 
 
-def held_features(target):
+def held_features(target, layers=()):
     rows = dc.heldout_sequences(target)
-    folder = dc.BUILD / "feats_heldout"
+    folder = dc.feats_folder(layers, dc.BUILD / "feats_heldout")  # a fused head's layers too
     seqs = [r["prompt_ids"] + r["answer_ids"] for r in rows]
     feats = []
     for i, s in enumerate(seqs):  # one at a time: names stay tied to rows
-        dc.extract(target.model, f"held{i:02d}", [s], time.time() + 3600, folder=folder)
+        dc.extract(target.model, f"held{i:02d}", [s], time.time() + 3600, folder=folder, layers=layers)
     chunks = dc.load_chunks(names=[f"held{i:02d}" for i in range(len(seqs))], folder=folder)
     for r, c in zip(rows, chunks):
         s = dc.sequences_of([c])[0]
@@ -58,6 +58,8 @@ def held_features(target):
 def mtp_ok(target, head_dir: Path, feats, n_keep: int | None):
     from specbatch.kernels.drafters.mtp_checkpoint import load_head
     head = load_head(head_dir, target.model.args)
+    if head.fuse_layers:  # its first step reads the target's layers: features that hold them
+        feats = held_features(target, head.fuse_layers)
     ids = np.array(head.vocab_ids)
     if n_keep is not None and n_keep < len(ids):
         order_path = head_dir.parent / "vocab_order.npy"  # the training run's own frequency order
@@ -69,7 +71,8 @@ def mtp_ok(target, head_dir: Path, feats, n_keep: int | None):
     oks, kinds = [], []
     for s in feats:
         b = tm.make_batch([s], K)
-        outs = tm.unrolled(head, E, b["tokens"], b["hidden"], b["keys"], b["values"], K)
+        first = head.first_input(b["layers"]) if head.fuse_layers else b["hidden"]
+        outs = tm.unrolled(head, E, b["tokens"], first, b["keys"], b["values"], K)
         preds = mx.stack([idsm[mx.argmax(h[0] @ W.T, axis=-1)] for h in outs], axis=1)  # [N, K]
         N = preds.shape[0]
         n = np.arange(N)

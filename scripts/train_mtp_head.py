@@ -4,7 +4,10 @@
    own greedy answers first, then teacher-forced text) and caches, per position, its final
    post-norm hidden state (what ModelRunner.hidden holds and MTPDrafter feeds the head),
    its last-layer KV (RoPE applied, as the cache holds it) and its greedy next token
-   (scripts/drafter_common.py; resumable chunks under build/drafters/feats/).
+   (scripts/drafter_common.py; resumable chunks under build/drafters/feats/). With
+   --fuse-layers (EAGLE-3-style input) it also caches those layers' outputs (under
+   build/drafters/feats_l2-15-29/ for 2,15,29) and the head's first step reads
+   fc([h_2; h_15; h_29]) in place of the final hidden state.
 2. Training: the head is unrolled for --unroll draft steps exactly as at run time (step s
    reads its own step s-1 output hidden state, the target KV of positions < p and its own
    keys of this round). Step s at query n reads token n+s and is labelled with the target's
@@ -49,9 +52,11 @@ def is_val(name: str) -> bool:
     return zlib.crc32(name.encode()) % 12 == 0
 
 
-def init_head(target, vocab_ids: np.ndarray, init: str, seed: int) -> MTPHead:
+def init_head(target, vocab_ids: np.ndarray, init: str, seed: int, fuse=()) -> MTPHead:
     mx.random.seed(seed)
     cfg = head_config(target.model.args) | {"draft_vocab": int(len(vocab_ids))}
+    if fuse:
+        cfg["fuse_layers"] = [int(i) for i in fuse]
     head = MTPHead(cfg)
     if init == "last":  # the target's last block, reading [emb; hidden] summed
         last = dict(tree_flatten(target.model.model.layers[-1].parameters()))
@@ -62,21 +67,25 @@ def init_head(target, vocab_ids: np.ndarray, init: str, seed: int) -> MTPHead:
         head.block.self_attn.o_proj.weight = mx.zeros_like(head.block.self_attn.o_proj.weight)
         head.block.mlp.down_proj.weight = mx.zeros_like(head.block.mlp.down_proj.weight)
     head.norm.weight = target.model.model.norm.weight
+    if fuse:  # fc starts by reading the last fused layer alone (hnorm makes it the final state's direction)
+        D = cfg["hidden_size"]
+        head.fc.weight = mx.concatenate([mx.zeros((D, (len(fuse) - 1) * D)), mx.eye(D)], axis=1)
     head.vocab_ids = mx.array(vocab_ids, dtype=mx.int32)
     mx.eval(head.parameters())
     return head
 
 
-def unrolled(head: MTPHead, E: mx.array, tokens, hidden, keys, values, S: int) -> list[mx.array]:
+def unrolled(head: MTPHead, E: mx.array, tokens, first, keys, values, S: int) -> list[mx.array]:
     """Output hidden states [B, N, D] of draft steps 1..S for queries n = 0..N-1 (N = L-1);
-    tokens padded to L + S. Matches MTPHead.step chained as MTPDrafter.draft runs it."""
+    tokens padded to L + S; ``first`` [B, L + S, D]: step 1's input state (the final hidden,
+    or a fused head's fc of the layers). Matches MTPHead.step chained as MTPDrafter.draft runs it."""
     attn = head.block.self_attn
-    B, L = hidden.shape[0], keys.shape[2]
+    B, L = first.shape[0], keys.shape[2]
     N = L - 1
     ctx_k, ctx_v = keys[:, :, :N], values[:, :, :N]
     rows, cols = mx.arange(N)[:, None], mx.arange(N)[None]
     causal, diag = cols <= rows, cols == rows
-    h = hidden[:, :N]
+    h = first[:, :N]
     own_k, own_v, outs = [], [], []
     for s in range(1, S + 1):
         x = head.eh_proj(mx.concatenate([head.enorm(E[tokens[:, s:s + N]]), head.hnorm(h)], axis=-1))
@@ -114,6 +123,12 @@ def make_batch(seqs: list[dict], S: int) -> dict:
         tokens[i, :n], hidden[i, :n], keys[i, :, :n], values[i, :, :n] = s["tokens"], s["hidden"], s["keys"], s["values"]
         greedy[i, :n] = s["greedy"]
         greedy_ok[i, 1:n] = s["tokens"][1:] == s["greedy"][:-1]
+    extra = {}
+    if "layers" in seqs[0]:  # a fused head's input: the target's kept layers [B, L + S, n * D]
+        layers = np.zeros((B, L + S, seqs[0]["layers"].shape[-1]), dtype=np.float16)
+        for i, s in enumerate(seqs):
+            layers[i, :len(s["tokens"])] = s["layers"]
+        extra["layers"] = mx.array(layers).astype(mx.float32)
     N = L - 1
     n = np.arange(N)[None]
     masks = []
@@ -124,12 +139,13 @@ def make_batch(seqs: list[dict], S: int) -> dict:
         masks.append(m)
     return {"tokens": mx.array(tokens), "hidden": mx.array(hidden).astype(mx.float32),
             "keys": mx.array(keys).astype(mx.float32), "values": mx.array(values).astype(mx.float32),
-            "greedy": mx.array(greedy), "masks": [mx.array(m) for m in masks]}
+            "greedy": mx.array(greedy), "masks": [mx.array(m) for m in masks], **extra}
 
 
 def step_losses(head, E, W, pos_of, batch, S):
     """Per-step (soft CE, top-1 hits, count) over the masked queries."""
-    outs = unrolled(head, E, batch["tokens"], batch["hidden"], batch["keys"], batch["values"], S)
+    first = head.first_input(batch["layers"]) if head.fuse_layers else batch["hidden"]  # [B, L + S, D]
+    outs = unrolled(head, E, batch["tokens"], first, batch["keys"], batch["values"], S)
     N = outs[0].shape[1]
     res = []
     for s, h in enumerate(outs, start=1):
@@ -160,22 +176,7 @@ def evaluate(head, E, W, pos_of, seqs, S, bs=4) -> dict:
             "count": sums[:, 2].astype(int).tolist()}
 
 
-def continue_from(previous: Path, out: Path) -> None:
-    """A later stage (say, more unrolled steps) continues the previous run: its weights,
-    optimizer state and clock. A fresh AdamW on the trained head diverged at once (NaN
-    after one step, measured); the previous run's moments keep the first steps small.
-    Its best is not carried over: the held-out score of a different unroll is not comparable."""
-    import shutil
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("ckpt.safetensors", "opt.safetensors", "vocab_order.npy", "vocab_counts.npy"):
-        shutil.copy(previous / name, out / name)
-    state = json.loads((previous / "state.json").read_text())
-    state["best"], state["continued_from"] = None, str(previous)
-    (out / "state.json").write_text(json.dumps(state))
-    print(f"continuing {previous} at step {state['step']}")
-
-
-def main() -> None:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--extract-minutes", type=float, default=18.0)
     ap.add_argument("--minutes", type=float, default=30.0, help="training time box")
@@ -190,68 +191,54 @@ def main() -> None:
     ap.add_argument("--init-from", type=Path, default=None,
                     help="continue this run's weights and optimizer (a second stage, e.g. more unrolled steps); "
                          "--minutes counts from its clock")
+    ap.add_argument("--fuse-layers", default="", help="EAGLE-3-style input: target layers fused, e.g. 2,15,29")
     ap.add_argument("--eval-every", type=float, default=120.0, help="seconds between held-out evaluations")
     ap.add_argument("--out", type=Path, default=dc.BUILD / "mtp", help="checkpoints, state and the best head")
+    ap.add_argument("--data", type=Path, default=dc.DATA, help="scripts/drafter_data.py's output")
+    ap.add_argument("--feats", type=Path, default=dc.FEATS, help="feature chunks (a fused run: <feats>_l<layers>)")
+    ap.add_argument("--target", default=None, help="the target (default: the embedded one)")
+    ap.add_argument("--max-len", type=int, default=768, help="tokens kept per generated chat")
     ap.add_argument("--extract-only", choices=["gen", "text", "all"], help="cache features and stop")
     args = ap.parse_args()
-    OUT = args.out  # noqa: N806  (the module default, overridden per run)
+    args.fuse = tuple(int(i) for i in args.fuse_layers.split(",") if i.strip())
+    args.feats = dc.feats_folder(args.fuse, args.feats)
+    return args
 
-    target = dc.load_target()
-    deadline = time.time() + args.extract_minutes * 60
+
+def cache_features(target, args) -> None:
+    """One feature set per generation chunk, then the text (resumable, within --extract-minutes)."""
+    deadline, eos = time.time() + args.extract_minutes * 60, target.tokenizer.eos_token_id
     if args.extract_only != "text":
-        for path in sorted(dc.DATA.glob("gen_*.json")):  # one feature set per generation chunk
-            dc.extract(target.model, f"gen{path.stem[4:]}", dc.generated_sequences([path]), deadline)
+        for path in sorted(args.data.glob("gen_*.json")):
+            seqs = dc.generated_sequences([path], args.max_len, eos)
+            dc.extract(target.model, f"gen{path.stem[4:]}", seqs, deadline, folder=args.feats, layers=args.fuse)
     if args.extract_only != "gen":
-        dc.extract(target.model, "text", dc.text_sequences(), deadline)
-    if args.extract_only:
-        return
-    chunks = dc.load_chunks()
-    train_chunks = [c for c in chunks if not is_val(c["name"])]
-    val_chunks = [c for c in chunks if is_val(c["name"])]
-    train, val = dc.sequences_of(train_chunks), dc.sequences_of(val_chunks)
-    unique_tokens = int(sum(len(s["tokens"]) for s in train))
-    train += [s for s in train if s["chunk"].startswith("gen")] * (args.gen_repeat - 1)  # in-distribution: seen more
-    ntok = lambda ss: int(sum(len(s["tokens"]) for s in ss))  # noqa: E731
-    print(f"train {len(train)} seqs / {ntok(train)} tokens; held-out {len(val)} seqs / {ntok(val)} tokens")
+        dc.extract(target.model, "text", dc.text_sequences(args.data), deadline, folder=args.feats, layers=args.fuse)
 
-    if args.init_from is not None and not (OUT / "state.json").exists():
-        continue_from(args.init_from, OUT)
-    OUT.mkdir(parents=True, exist_ok=True)
-    vocab_path = OUT / "vocab_order.npy"
-    if not vocab_path.exists():  # frequency order (most frequent first) over the training data
-        counts = np.zeros(49152, dtype=np.int64)
-        for c in train_chunks:
-            for i, L in enumerate(c["lengths"]):
-                np.add.at(counts, c["greedy"][i, :L], 1)
-        for path in sorted(dc.DATA.glob("gen_*.json")):
-            for row in json.loads(path.read_text())["rows"]:
-                np.add.at(counts, np.array(row["answer_ids"] + [dc.EOS]), 1)
-        np.save(vocab_path, np.lexsort((np.arange(49152), -counts)).astype(np.int32))
-        np.save(OUT / "vocab_counts.npy", counts)
-    order = np.load(vocab_path)
-    vocab_ids = np.sort(order[:args.vocab]).astype(np.int32)
-    E = target.model.model.embed_tokens.weight
-    W = E[mx.array(vocab_ids)]
-    pos = np.full(49152, -1, dtype=np.int32)
+
+def output_rows(target, vocab_ids: np.ndarray):
+    """(input embedding [V, D], the kept output rows [N, D], position of each id in them or -1)."""
+    model = target.model
+    E = model.model.embed_tokens.weight
+    W = (model.lm_head.weight if hasattr(model, "lm_head") else E)[mx.array(vocab_ids)]
+    pos = np.full(int(model.args.vocab_size), -1, dtype=np.int32)
     pos[vocab_ids] = np.arange(len(vocab_ids))
-    pos_of = mx.array(pos)
+    return E, W, mx.array(pos)
 
-    head = init_head(target, vocab_ids, args.init, args.seed)
-    opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.01)
-    state_path = OUT / "state.json"
-    state = {"step": 0, "elapsed": 0.0, "best": None, "history": [], "tokens_seen": 0}
-    if state_path.exists():
-        state = json.loads(state_path.read_text())
-        head.load_weights(list(mx.load(str(OUT / "ckpt.safetensors")).items()))
-        opt.init(head.trainable_parameters())
-        opt.state = tree_unflatten(list(mx.load(str(OUT / "opt.safetensors")).items()))
-        print(f"resumed at step {state['step']} ({state['elapsed'] / 60:.1f} min)")
+
+def best_kept(head, state, ev, out: Path) -> None:
+    """Record an evaluation; a better held-out score saves the head as the best."""
+    state["history"].append({"step": state["step"], "minutes": round(state["elapsed"] / 60, 2), **ev})
+    score = sum(w * c for w, c in zip(STEP_WEIGHTS, ev["ce"]))
+    if math.isfinite(score) and (state["best"] is None or score < state["best"]["score"]):
+        state["best"] = {"score": score, "step": state["step"], **ev}
+        save_head(head, out / "best")
+
+
+def train(head, opt, state, train_seqs, val, maps, args, out: Path) -> None:
+    """Time-boxed steps from ``state`` (resumed where it stopped), evaluations every --eval-every s."""
+    E, W, pos_of = maps
     S = args.unroll
-    if state["step"] == 0:
-        ev = evaluate(head, E, W, pos_of, val, S)
-        print("init held-out", ev)
-        state["history"].append({"step": 0, "minutes": 0.0, **ev})
-
     grad_fn = nn.value_and_grad(head, lambda b: loss_fn(head, E, W, pos_of, b, S))
     budget = args.minutes * 60
     rng = np.random.default_rng(args.seed + state["step"])
@@ -259,14 +246,13 @@ def main() -> None:
     bar = tqdm(total=int(budget), initial=int(state["elapsed"]), desc="mtp train (s)", unit="s")
 
     def save_state():
-        mx.save_safetensors(str(OUT / "ckpt.safetensors"), dict(tree_flatten(head.parameters())))
-        mx.save_safetensors(str(OUT / "opt.safetensors"), dict(tree_flatten(opt.state)))
-        state_path.write_text(json.dumps(state))
+        mx.save_safetensors(str(out / "ckpt.safetensors"), dict(tree_flatten(head.parameters())))
+        mx.save_safetensors(str(out / "opt.safetensors"), dict(tree_flatten(opt.state)))
+        (out / "state.json").write_text(json.dumps(state))
 
-    for group, lr in dc.timed_batches(train, args.batch, rng, budget, t_start, args.lr, 50, state["step"]):
+    for group, lr in dc.timed_batches(train_seqs, args.batch, rng, budget, t_start, args.lr, 50, state["step"]):
         opt.learning_rate = lr
-        batch = make_batch(group, S)
-        loss, grads = grad_fn(batch)
+        loss, grads = grad_fn(make_batch(group, S))
         mx.eval(loss)
         if not math.isfinite(float(loss)):  # a diverging batch must not poison the weights
             state["skipped"] = state.get("skipped", 0) + 1
@@ -282,22 +268,52 @@ def main() -> None:
         if time.time() - last_eval > args.eval_every:
             last_eval = time.time()
             ev = evaluate(head, E, W, pos_of, val, S)
-            state["history"].append({"step": state["step"], "minutes": round(state["elapsed"] / 60, 2), **ev})
-            score = sum(w * c for w, c in zip(STEP_WEIGHTS, ev["ce"]))
             tqdm.write(f"step {state['step']} held-out ce {ev['ce']} top1 {ev['top1']}")
-            if math.isfinite(score) and (state["best"] is None or score < state["best"]["score"]):
-                state["best"] = {"score": score, "step": state["step"], **ev}
-                save_head(head, OUT / "best")
+            best_kept(head, state, ev, out)
             save_state()
     bar.close()
-    ev = evaluate(head, E, W, pos_of, val, S)
-    state["history"].append({"step": state["step"], "minutes": round(state["elapsed"] / 60, 2), **ev})
-    score = sum(w * c for w, c in zip(STEP_WEIGHTS, ev["ce"]))
-    if math.isfinite(score) and (state["best"] is None or score < state["best"]["score"]):
-        state["best"] = {"score": score, "step": state["step"], **ev}
-        save_head(head, OUT / "best")
+    best_kept(head, state, evaluate(head, E, W, pos_of, val, S), out)
     save_state()
-    dc.write_summary(OUT, state, args, unique_tokens, ntok(val), vocab=args.vocab, unroll=S, init=args.init)
+
+
+def main() -> None:
+    args = parse_args()
+    out = args.out
+    target = dc.load_target(args.target)
+    cache_features(target, args)
+    if args.extract_only:
+        return
+    chunks = dc.load_chunks(folder=args.feats)
+    train_chunks = [c for c in chunks if not is_val(c["name"])]
+    train_seqs, val = dc.sequences_of(train_chunks), dc.sequences_of([c for c in chunks if is_val(c["name"])])
+    if not val:  # too few chunks for one to be held out (a tiny run): score on the training data
+        val = train_seqs[:8]
+    unique_tokens = int(sum(len(s["tokens"]) for s in train_seqs))
+    train_seqs += [s for s in train_seqs if s["chunk"].startswith("gen")] * (args.gen_repeat - 1)  # in-distribution: seen more
+    ntok = lambda ss: int(sum(len(s["tokens"]) for s in ss))  # noqa: E731
+    print(f"train {len(train_seqs)} seqs / {ntok(train_seqs)} tokens; held-out {len(val)} seqs / {ntok(val)} tokens")
+    if args.init_from is not None and not (out / "state.json").exists():
+        dc.continue_from(args.init_from, out)
+    out.mkdir(parents=True, exist_ok=True)
+    order = dc.vocab_order(out, train_chunks, args.data, int(target.model.args.vocab_size), target.tokenizer.eos_token_id)
+    vocab_ids = np.sort(order[:args.vocab]).astype(np.int32)
+    maps = output_rows(target, vocab_ids)
+    head = init_head(target, vocab_ids, args.init, args.seed, args.fuse)
+    opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.01)
+    state = {"step": 0, "elapsed": 0.0, "best": None, "history": [], "tokens_seen": 0}
+    if (out / "state.json").exists():
+        state = json.loads((out / "state.json").read_text())
+        head.load_weights(list(mx.load(str(out / "ckpt.safetensors")).items()))
+        opt.init(head.trainable_parameters())
+        opt.state = tree_unflatten(list(mx.load(str(out / "opt.safetensors")).items()))
+        print(f"resumed at step {state['step']} ({state['elapsed'] / 60:.1f} min)")
+    if state["step"] == 0:
+        ev = evaluate(head, *maps, val, args.unroll)
+        print("init held-out", ev)
+        state["history"].append({"step": 0, "minutes": 0.0, **ev})
+    train(head, opt, state, train_seqs, val, maps, args, out)
+    dc.write_summary(out, state, args, unique_tokens, ntok(val), vocab=args.vocab, unroll=args.unroll, init=args.init,
+                     fuse_layers=list(args.fuse))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 For an instruct model (a tokenizer with a chat template) each question becomes one user
 turn in that template; code prompts stay raw completions either way. None of these is in
-the drafters' training data (``scripts/drafter_data.py`` keeps its own prompts).
+the drafters' training data (``scripts/drafter_prompts.py`` keeps its own prompts).
 """
 
 from __future__ import annotations

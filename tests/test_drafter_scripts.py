@@ -1,0 +1,60 @@
+"""The drafter scripts end to end on the tiny llama: data (greedy, sampled, second turns),
+features with the fused layers, a few training steps, a loadable fused head that drafts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from helpers import run_plain, run_scalar
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def run_script(module: str, monkeypatch, *argv: str) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    __import__(module).main()
+
+
+def test_data_features_training_write_a_fused_head(tiny, model_dir, tmp_path, monkeypatch):
+    data, feats, out = tmp_path / "data", tmp_path / "feats", tmp_path / "mtp"
+    target = str(model_dir["llama"])
+    run_script("drafter_data", monkeypatch, "--target", target, "--out", str(data), "--minutes", "2",
+               "--prompts", "8", "--chunk", "4", "--width", "3", "--magpie", "2", "--max-tokens", "12",
+               "--seq", "64", "--text-tokens", "512")
+    first = json.loads((data / "gen_0000.json").read_text())["rows"]
+    sampled = json.loads((data / "gen_s0000.json").read_text())["rows"]
+    assert [r["prompt_ids"] for r in first] == [r["prompt_ids"] for r in sampled]
+    assert {r["mode"] for r in sampled} == {"sampled"} and all(r["answer_ids"] for r in first)
+    assert (data / "gen_t0000.json").exists() and (data / "gen_ts0001.json").exists()  # second turns (maybe empty)
+    held = json.loads((SCRIPTS / "heldout_prompts.json").read_text())
+    assert not {r["prompt"] for r in first} & set(held["chat"] + held["code"])
+    run_script("train_mtp_head", monkeypatch, "--target", target, "--data", str(data), "--feats", str(feats),
+               "--out", str(out), "--fuse-layers", "0,1", "--extract-minutes", "1", "--minutes", "0.05",
+               "--vocab", "256", "--unroll", "2", "--batch", "2", "--eval-every", "1000")
+    assert (tmp_path / "feats_l0-1").is_dir() and not feats.exists()  # fused features: their own folder
+    from specbatch.kernels.drafters.mtp_checkpoint import load_head
+    head = load_head(out / "best")
+    assert head.fuse_layers == (0, 1) and head.config["draft_vocab"] == 256
+    tokens, rounds = run_scalar(tiny, head, "def f(x):", k=2, max_tokens=10, ignore_eos=True)
+    assert tokens == run_plain(tiny, "def f(x):", max_tokens=10, ignore_eos=True) and rounds
+
+
+def test_follow_up_turns_only_after_whole_chat_answers(tiny, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import argparse
+
+    import drafter_data as dd
+    rows = [{"kind": "chat", "prompt": "What is tea?", "mode": "greedy", "turn": 1, "prompt_ids": [5, 6],
+             "answer_ids": [7, 8], "finish": "stop"},
+            {"kind": "chat", "prompt": "Cut off?", "mode": "greedy", "turn": 1, "prompt_ids": [5], "answer_ids": [9],
+             "finish": "length"},
+            {"kind": "code", "prompt": "def f():", "mode": "greedy", "turn": 1, "prompt_ids": [5], "answer_ids": [9],
+             "finish": "stop"}]
+    (tmp_path / "gen_0000.json").write_text(json.dumps({"rows": rows}))
+    args = argparse.Namespace(seed=0, temperature=0.7, max_tokens=8)
+    out, jobs = dd.chunk_jobs(tiny.tokenizer, tmp_path / "gen_t0000.json", [], "turn2:gen_0000.json", args)
+    assert [r["prompt"] for r in out] == ["What is tea?"] and out[0]["turn"] == 2
+    assert jobs[0][1].temperature == 0.0 and tiny.tokenizer.decode(jobs[0][0]).count(out[0]["follow_up"]) == 1
