@@ -81,8 +81,8 @@ def features(model, batch: list[list[int]], layers=()) -> dict:
     hidden = runner.hidden  # [S, L, D], post final norm
     keys, values = cache[-1].keys[..., :L, :], cache[-1].values[..., :L, :]
     out = {"hidden": hidden, "keys": keys, "values": values}
-    if layers:
-        out["layers"] = runner.layer_hidden  # [S, L, n * D], pre final norm
+    if layers:  # pre final norm: a middle layer's outliers reach 2.5e4 (measured), clipped to fp16's range
+        out["layers"] = mx.clip(runner.layer_hidden, -65000.0, 65000.0)  # [S, L, n * D]
     out = {k: v.astype(mx.float16) for k, v in out.items()}
     mx.eval(greedy, out)
     return {"tokens": tokens, "lengths": np.array([len(s) for s in batch], dtype=np.int32),
@@ -236,3 +236,13 @@ def vocab_order(out: Path, train_chunks: list[dict], data: Path, vocab_size: int
         np.save(path, np.lexsort((np.arange(vocab_size), -counts)).astype(np.int32))
         np.save(out / "vocab_counts.npy", counts)
     return np.load(path)
+
+
+def output_rows(target, vocab_ids: np.ndarray):
+    """(input embedding [V, D], the kept output rows [N, D], position of each id in them or -1)."""
+    model = target.model
+    E = model.model.embed_tokens.weight
+    W = (model.lm_head.weight if hasattr(model, "lm_head") else E)[mx.array(vocab_ids)]
+    pos = np.full(int(model.args.vocab_size), -1, dtype=np.int32)
+    pos[vocab_ids] = np.arange(len(vocab_ids))
+    return E, W, mx.array(pos)

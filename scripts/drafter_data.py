@@ -11,7 +11,7 @@ Writes to build/drafters/data/ (resumable: a chunk already saved is skipped; tim
 - gen_*.json: the target's own answers, per prompt chunk (templated and self-written
   chunks alternate, so a time box keeps both) four files: greedy (gen_NNNN / gen_mNNNN),
   sampled at --temperature with a seed per row (gen_s*), and a second user turn (a
-  templated follow-up) after each of those answers, answered the same way (gen_t*, gen_ts*).
+  templated follow-up) after each of those chat answers, answered the same way (gen_t*, gen_ts*).
 
 Answers come from the project's own plain batch loop (BatchLoop over ModelRunner: the fast
 CPU kernels that ``models.load`` swaps in, paged KV), --width rows at once, a finished row's
@@ -190,16 +190,16 @@ def generation_plan(items: list[dict], magpie: list[dict], chunk: int, folder: P
 def chunk_jobs(tok, path: Path, part: list[dict], mode: str, args) -> tuple[list[dict], list]:
     """The rows (without answers) and (prompt ids, SamplingParams) jobs of one chunk."""
     from specbatch.runtime.params import SamplingParams
-    if mode.startswith("turn2:"):  # after each whole first-turn chat answer, a follow-up
+    if mode.startswith("turn2:"):  # after each first-turn chat answer (a cut-off one too: most are), a follow-up
         first = json.loads((path.parent / mode[len("turn2:"):]).read_text())["rows"]
         rng = random.Random(row_seed(args.seed, path.name, 0))
         rows = []
         for row in first:
-            if row["kind"] != "chat" or row.get("finish") != "stop":
+            if row["kind"] != "chat" or "finish" not in row:  # raw code completions stay single-turn
                 continue
             follow, ids = follow_up_ids(tok, row, row["answer_ids"], rng)
-            rows.append({**{k: v for k, v in row.items() if k not in ("prompt_ids", "answer_ids")},
-                         "turn": 2, "follow_up": follow, "prompt_ids": ids})
+            rows.append({**{k: v for k, v in row.items() if k not in ("prompt_ids", "answer_ids", "finish")},
+                         "turn": 2, "first_finish": row["finish"], "follow_up": follow, "prompt_ids": ids})
     else:
         rows = [{**it, "mode": mode, "turn": 1, "prompt_ids": encode_prompt(tok, it)} for it in part]
     jobs = []
@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None, help="templated prompts kept (default: all)")
     ap.add_argument("--magpie", type=int, default=1200, help="self-written questions to answer")
     ap.add_argument("--magpie-minutes", type=float, default=8.0, help="time box for writing them")
-    ap.add_argument("--max-tokens", type=int, default=224, help="answer length cap")
+    ap.add_argument("--max-tokens", type=int, default=256, help="answer length cap")
     ap.add_argument("--temperature", type=float, default=0.7, help="of the sampled answers")
     ap.add_argument("--target", default=None, help="the target (default: the embedded one)")
     ap.add_argument("--out", type=Path, default=OUT)

@@ -52,7 +52,7 @@ def is_val(name: str) -> bool:
     return zlib.crc32(name.encode()) % 12 == 0
 
 
-def init_head(target, vocab_ids: np.ndarray, init: str, seed: int, fuse=()) -> MTPHead:
+def init_head(target, vocab_ids: np.ndarray, init: str, seed: int, fuse=(), final_rms: float = 1.0) -> MTPHead:
     mx.random.seed(seed)
     cfg = head_config(target.model.args) | {"draft_vocab": int(len(vocab_ids))}
     if fuse:
@@ -67,9 +67,11 @@ def init_head(target, vocab_ids: np.ndarray, init: str, seed: int, fuse=()) -> M
         head.block.self_attn.o_proj.weight = mx.zeros_like(head.block.self_attn.o_proj.weight)
         head.block.mlp.down_proj.weight = mx.zeros_like(head.block.mlp.down_proj.weight)
     head.norm.weight = target.model.model.norm.weight
-    if fuse:  # fc starts by reading the last fused layer alone (hnorm makes it the final state's direction)
+    if fuse:  # fc starts as the last fused layer alone, hnorm as the target's final norm over the
+        # final state's mean RMS: step 1 then sees about what the plain head's hnorm(final) gives it
         D = cfg["hidden_size"]
         head.fc.weight = mx.concatenate([mx.zeros((D, (len(fuse) - 1) * D)), mx.eye(D)], axis=1)
+        head.hnorm.weight = target.model.model.norm.weight / final_rms
     head.vocab_ids = mx.array(vocab_ids, dtype=mx.int32)
     mx.eval(head.parameters())
     return head
@@ -198,6 +200,7 @@ def parse_args():
     ap.add_argument("--feats", type=Path, default=dc.FEATS, help="feature chunks (a fused run: <feats>_l<layers>)")
     ap.add_argument("--target", default=None, help="the target (default: the embedded one)")
     ap.add_argument("--max-len", type=int, default=768, help="tokens kept per generated chat")
+    ap.add_argument("--text-tokens", type=int, default=None, help="teacher-forced text tokens to featurize (default: all)")
     ap.add_argument("--extract-only", choices=["gen", "text", "all"], help="cache features and stop")
     args = ap.parse_args()
     args.fuse = tuple(int(i) for i in args.fuse_layers.split(",") if i.strip())
@@ -213,17 +216,9 @@ def cache_features(target, args) -> None:
             seqs = dc.generated_sequences([path], args.max_len, eos)
             dc.extract(target.model, f"gen{path.stem[4:]}", seqs, deadline, folder=args.feats, layers=args.fuse)
     if args.extract_only != "gen":
-        dc.extract(target.model, "text", dc.text_sequences(args.data), deadline, folder=args.feats, layers=args.fuse)
-
-
-def output_rows(target, vocab_ids: np.ndarray):
-    """(input embedding [V, D], the kept output rows [N, D], position of each id in them or -1)."""
-    model = target.model
-    E = model.model.embed_tokens.weight
-    W = (model.lm_head.weight if hasattr(model, "lm_head") else E)[mx.array(vocab_ids)]
-    pos = np.full(int(model.args.vocab_size), -1, dtype=np.int32)
-    pos[vocab_ids] = np.arange(len(vocab_ids))
-    return E, W, mx.array(pos)
+        text = dc.text_sequences(args.data)
+        text = text[:args.text_tokens // max(1, len(text[0]))] if text and args.text_tokens else text  # RAM: 5.4 KB a fused token
+        dc.extract(target.model, "text", text, deadline, folder=args.feats, layers=args.fuse)
 
 
 def best_kept(head, state, ev, out: Path) -> None:
@@ -297,8 +292,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     order = dc.vocab_order(out, train_chunks, args.data, int(target.model.args.vocab_size), target.tokenizer.eos_token_id)
     vocab_ids = np.sort(order[:args.vocab]).astype(np.int32)
-    maps = output_rows(target, vocab_ids)
-    head = init_head(target, vocab_ids, args.init, args.seed, args.fuse)
+    maps = dc.output_rows(target, vocab_ids)
+    sample = np.concatenate([s["hidden"][:64] for s in train_seqs[:64]]).astype(np.float32)  # [n, D]
+    final_rms = float(np.sqrt((sample ** 2).mean(-1)).mean())
+    head = init_head(target, vocab_ids, args.init, args.seed, args.fuse, final_rms)
     opt = optim.AdamW(learning_rate=args.lr, weight_decay=0.01)
     state = {"step": 0, "elapsed": 0.0, "best": None, "history": [], "tokens_seen": 0}
     if (out / "state.json").exists():

@@ -42,7 +42,7 @@ def test_data_features_training_write_a_fused_head(tiny, model_dir, tmp_path, mo
     assert tokens == run_plain(tiny, "def f(x):", max_tokens=10, ignore_eos=True) and rounds
 
 
-def test_follow_up_turns_only_after_whole_chat_answers(tiny, tmp_path, monkeypatch):
+def test_follow_up_turns_after_chat_answers_only(tiny, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))
     import argparse
 
@@ -56,5 +56,22 @@ def test_follow_up_turns_only_after_whole_chat_answers(tiny, tmp_path, monkeypat
     (tmp_path / "gen_0000.json").write_text(json.dumps({"rows": rows}))
     args = argparse.Namespace(seed=0, temperature=0.7, max_tokens=8)
     out, jobs = dd.chunk_jobs(tiny.tokenizer, tmp_path / "gen_t0000.json", [], "turn2:gen_0000.json", args)
-    assert [r["prompt"] for r in out] == ["What is tea?"] and out[0]["turn"] == 2
+    assert [r["prompt"] for r in out] == ["What is tea?", "Cut off?"] and out[0]["turn"] == 2
+    assert [r["first_finish"] for r in out] == ["stop", "length"]
     assert jobs[0][1].temperature == 0.0 and tiny.tokenizer.decode(jobs[0][0]).count(out[0]["follow_up"]) == 1
+
+
+def test_seeded_answers_do_not_depend_on_the_width(tiny, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import drafter_data as dd
+
+    from specbatch.kernels.runner import ModelRunner
+    from specbatch.runtime.params import SamplingParams
+    prompts = [list(tiny.tokenizer.encode(p)) for p in ("def f(x):", "import os\n", "x = 1", "class A:\n", "# c\n" * 3)]
+    jobs = [(p, SamplingParams(max_tokens=6 + i, temperature=0.7 if i % 2 else 0.0, seed=dd.row_seed(0, "t", i)))
+            for i, p in enumerate(prompts)]
+    runner = ModelRunner(tiny.model)
+    alone = [r.tokens for r in dd.decode(runner, tiny.tokenizer, jobs, 1)]
+    assert [r.tokens for r in dd.decode(runner, tiny.tokenizer, jobs, 4)] == alone
+    assert alone == [run_plain(tiny, p, max_tokens=sp.max_tokens, temperature=sp.temperature, seed=sp.seed)
+                     for p, sp in jobs]
