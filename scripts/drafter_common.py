@@ -38,11 +38,23 @@ def feats_folder(layers=(), base: Path = FEATS) -> Path:
     return base if not layers else base.with_name(f"{base.name}_l{'-'.join(map(str, layers))}")
 
 
+def covered_by_turn2(path: Path) -> bool:
+    """A first-turn chunk whose second turns are saved: each of its chat sequences is (up to
+    re-encoding the answer) a prefix of a second turn's, so features for those cover it."""
+    name = path.name
+    return name.startswith("gen_") and not name.startswith(("gen_t", "gen_ts")) and \
+        (path.parent / f"gen_t{name[4:]}").exists()
+
+
 def generated_sequences(paths=None, max_len: int = 768, eos: int = EOS, data: Path = DATA) -> list[list[int]]:
-    """Prompt + answer + EOS per generated row (a second turn's prompt holds the first chat)."""
+    """Prompt + answer + EOS per generated row (a second turn's prompt holds the first chat);
+    a first-turn chunk's chat rows are left to its second turns where those exist."""
     seqs = []
     for path in paths if paths is not None else sorted(data.glob("gen_*.json")):
+        skip_chat = covered_by_turn2(path)
         for row in json.loads(path.read_text())["rows"]:
+            if skip_chat and row["kind"] == "chat":
+                continue
             ans = row["answer_ids"]
             seqs.append((row["prompt_ids"] + ans + [eos])[:max_len])
     return seqs

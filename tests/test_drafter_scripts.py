@@ -75,3 +75,14 @@ def test_seeded_answers_do_not_depend_on_the_width(tiny, monkeypatch):
     assert [r.tokens for r in dd.decode(runner, tiny.tokenizer, jobs, 4)] == alone
     assert alone == [run_plain(tiny, p, max_tokens=sp.max_tokens, temperature=sp.temperature, seed=sp.seed)
                      for p, sp in jobs]
+
+
+def test_first_turn_chats_left_to_their_second_turns(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import drafter_common as dc
+    rows = [{"kind": "chat", "prompt_ids": [5, 6], "answer_ids": [7]}, {"kind": "code", "prompt_ids": [5], "answer_ids": [9]}]
+    first = tmp_path / "gen_s0001.json"
+    first.write_text(json.dumps({"rows": rows}))
+    assert dc.generated_sequences([first], eos=1) == [[5, 6, 7, 1], [5, 9, 1]]
+    (tmp_path / "gen_ts0001.json").write_text(json.dumps({"rows": []}))  # its second turns hold the chat
+    assert dc.generated_sequences([first], eos=1) == [[5, 9, 1]]
