@@ -128,16 +128,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--eval-every", type=float, default=150.0)
+    ap.add_argument("--feats", type=Path, default=dc.FEATS, help="feature chunks (a fused extraction's do too)")
     args = ap.parse_args()
     mx.random.seed(args.seed)
     target = dc.load_target()
-    chunks = dc.load_chunks()
+    chunks = dc.load_chunks(folder=args.feats)
     train = dc.sequences_of([c for c in chunks if not is_val(c["name"])])
     val = dc.sequences_of([c for c in chunks if is_val(c["name"])])
     unique_tokens = int(sum(len(s["tokens"]) for s in train))
     train += [s for s in train if s["chunk"].startswith("gen")] * (args.gen_repeat - 1)  # in-distribution: seen more
     for s in train + val:  # the draft model needs no KV features
-        s.pop("keys", None), s.pop("values", None)
+        s.pop("keys", None), s.pop("values", None), s.pop("layers", None)
     ntok = lambda ss: int(sum(len(s["tokens"]) for s in ss))  # noqa: E731
     print(f"train {ntok(train)} tokens, held-out {ntok(val)} tokens")
     order = np.load(dc.BUILD / "mtp" / "vocab_order.npy")
