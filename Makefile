@@ -45,11 +45,12 @@ statecharts: $(STAMP)
 clean:
 	rm -rf .venv build .pytest_cache .hypothesis
 
-# Retrain the embedded target's drafters (about eight hours on 2 cores; every step is
+# Retrain the embedded target's drafters (about seven hours on 2 cores; every step is
 # resumable and time-boxed, work under build/drafters/): data (text on the machine, the
 # target's answers, greedy, sampled at 0.7 and a second turn after each, to templated
-# prompts and to questions it writes itself: about 1M answer tokens at the 164 tok/s
-# measured at width 48), features once with the fused layers (both recipes read them),
+# prompts and to questions it writes itself: about 1M answer tokens at the 164-189 tok/s
+# measured at width 48) with the answers' features captured as they are generated (with
+# the fused layers: both recipes read them), then the text's features,
 # MTP head (one-step training from the target's last block, then two unrolled draft steps
 # on the same clock to 105 minutes) with today's input and with the EAGLE-3-style fused
 # input (measured side by side on the held-out prompts), draft model, then measure them and
@@ -58,8 +59,8 @@ clean:
 FUSE = 2,15,29
 FEATS = build/drafters/feats_l2-15-29
 drafters: $(STAMP)
-	$(RUN) scripts/drafter_data.py --minutes 110 --width 48
-	$(RUN) scripts/train_mtp_head.py --extract-only all --fuse-layers $(FUSE) --extract-minutes 120 --text-tokens 300000
+	$(RUN) scripts/drafter_data.py --minutes 110 --width 48 --capture --fuse-layers $(FUSE)
+	$(RUN) scripts/train_mtp_head.py --extract-only all --fuse-layers $(FUSE) --extract-minutes 60 --text-tokens 300000
 	$(RUN) scripts/train_mtp_head.py --extract-minutes 0 --feats $(FEATS) --out build/drafters/mtp-u1 --vocab 4096 --unroll 1 --batch 8 --minutes 40
 	$(RUN) scripts/train_mtp_head.py --extract-minutes 0 --feats $(FEATS) --out build/drafters/mtp --init-from build/drafters/mtp-u1 --vocab 4096 --unroll 2 --batch 8 --lr 5e-4 --minutes 105
 	$(RUN) scripts/train_mtp_head.py --extract-minutes 0 --fuse-layers $(FUSE) --out build/drafters/mtp-fused-u1 --vocab 4096 --unroll 1 --batch 8 --minutes 40

@@ -16,9 +16,12 @@ Writes to build/drafters/data/ (resumable: a chunk already saved is skipped; tim
 Answers come from the project's own plain batch loop (BatchLoop over ModelRunner: the fast
 CPU kernels that ``models.load`` swaps in, paged KV), --width rows at once, a finished row's
 slot refilled from the chunk (continuous batching); a seeded row samples the same tokens at
-any width. ``--bench-widths 32,48`` times 30 s of greedy answers at each width and stops.
+any width. ``--capture`` (scripts/drafter_capture.py) writes each chunk's features from the
+decode forwards themselves (with ``--fuse-layers``, those layers too), so the extraction pass
+of scripts/train_mtp_head.py skips them (measured: no cost to the generation's tok/s).
+``--bench-widths 32,48`` times 30 s of greedy answers at each width and stops.
 
-    python -m specbatch.blas scripts/drafter_data.py --minutes 60
+    python -m specbatch.blas scripts/drafter_data.py --minutes 110 --capture --fuse-layers 2,15,29
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
+from drafter_capture import CaptureRunner, answer_ids, decode, write_chunks  # noqa: E402
 from drafter_prompts import HELDOUT, build_prompts, encode_prompt, follow_up_ids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,37 +101,6 @@ def make_text(tokenizer, seed: int, seq: int, max_tokens: int, folder: Path) -> 
     np.savez(out, tokens=np.array(seqs, dtype=np.int32), source=np.array(sources, dtype=np.int8))
     print(f"text: {len(seqs)} sequences x {seq} tokens ({sum(sources)} from docs)")
 
-
-
-def decode(runner, tokenizer, jobs: list[tuple[list[int], object]], width: int, deadline: float | None = None):
-    """Requests for ``jobs`` (prompt ids, SamplingParams), decoded plain by the project's batch
-    loop, ``width`` rows at once; a finished row's slot is refilled at once (bursts of up to 8
-    prompts of similar length share one left-padded prefill). ``deadline``: stop there."""
-    from specbatch.kernels.loops.batch import BatchLoop
-    from specbatch.runtime.request import Request
-    requests = [Request.create(ids, params, tokenizer) for ids, params in jobs]
-    queue = sorted(requests, key=lambda r: len(r.prompt))
-    loop = BatchLoop(runner)
-    while queue or loop.width:
-        if deadline is not None and time.time() > deadline:
-            break
-        if loop.settled:
-            loop.reap()
-            free = width - loop.width
-            if queue and (free >= max(1, width // 8) or loop.width < width // 2):
-                take, queue = queue[:free], queue[free:]
-                for i in range(0, len(take), 8):
-                    loop.admit_many(take[i:i + 8])
-        if loop.width:
-            loop.plain_round()
-    loop.settle()
-    return requests
-
-
-def answer_ids(request) -> list[int]:
-    """The generated ids without the stop token (the drafter scripts append EOS themselves)."""
-    toks = list(request.tokens)
-    return toks[:-1] if request.finish_reason == "stop" and toks and toks[-1] in request.eos_ids else toks
 
 
 def row_seed(seed: int, name: str, i: int) -> int:
@@ -226,6 +199,10 @@ def make_generations(runner, tok, plan, args, deadline: float) -> int:
         if time.time() > deadline:
             print("time box reached: stopping generation (this chunk is not saved)")
             break
+        if isinstance(runner, CaptureRunner):  # --capture: the chunk's features, before its answers
+            seqs = [runner.sequence(i, r.prompt + r.tokens[:-1]) for i, r in enumerate(requests)]
+            write_chunks([s for s in seqs if s is not None], f"gen{path.stem[4:]}", args.feats)
+            runner.reset()
         for row, r in zip(rows, requests):
             row["answer_ids"], row["finish"] = answer_ids(r), r.finish_reason
         n = sum(len(r["answer_ids"]) for r in rows)
@@ -252,7 +229,7 @@ def bench_widths(runner, tok, items: list[dict], widths: list[int], seconds: flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=60.0, help="time box for the whole script")
+    ap.add_argument("--minutes", type=float, default=110.0, help="time box for the whole script (about 1M answer tokens)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seq", type=int, default=512, help="teacher-forcing sequence length")
     ap.add_argument("--text-tokens", type=int, default=1_500_000, help="text tokens to keep")
@@ -266,6 +243,10 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="the target (default: the embedded one)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--bench-widths", default=None, help="e.g. 32,48,64: time each width and stop")
+    ap.add_argument("--capture", action="store_true", help="write the answers' features while generating")
+    ap.add_argument("--fuse-layers", default="", help="with --capture: the layers to keep too, e.g. 2,15,29")
+    ap.add_argument("--feats", type=Path, default=ROOT / "build" / "drafters" / "feats",
+                    help="with --capture: the feature folder (a fused one: <feats>_l<layers>)")
     args = ap.parse_args()
     deadline = time.time() + args.minutes * 60
     from specbatch.kernels.models import demo_pair, load
@@ -281,6 +262,10 @@ def main() -> None:
     make_text(tok, args.seed, args.seq, args.text_tokens, args.out)
     magpie = make_magpie(runner, tok, args.magpie, args.seed, min(deadline, time.time() + args.magpie_minutes * 60),
                          args.out, args.width)
+    if args.capture:
+        fuse = tuple(int(i) for i in args.fuse_layers.split(",") if i.strip())
+        runner = CaptureRunner(target.model, fuse)
+        args.feats = args.feats if not fuse else args.feats.with_name(f"{args.feats.name}_l{'-'.join(map(str, fuse))}")
     made = make_generations(runner, tok, generation_plan(items, magpie, args.chunk, args.out), args, deadline)
     total = sum(json.loads(p.read_text())["tokens"] for p in args.out.glob("gen_*.json"))
     print(f"answer tokens: {made} this run, {total} in {args.out}")

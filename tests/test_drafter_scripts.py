@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import run_plain, run_scalar
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -18,12 +19,15 @@ def run_script(module: str, monkeypatch, *argv: str) -> None:
     __import__(module).main()
 
 
-def test_data_features_training_write_a_fused_head(tiny, model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("capture", [False, True])
+def test_data_features_training_write_a_fused_head(tiny, model_dir, tmp_path, monkeypatch, capture):
     data, feats, out = tmp_path / "data", tmp_path / "feats", tmp_path / "mtp"
     target = str(model_dir["llama"])
+    extra = ["--capture", "--fuse-layers", "0,1", "--feats", str(feats)] if capture else []
     run_script("drafter_data", monkeypatch, "--target", target, "--out", str(data), "--minutes", "2",
                "--prompts", "8", "--chunk", "4", "--width", "3", "--magpie", "2", "--max-tokens", "12",
-               "--seq", "64", "--text-tokens", "512")
+               "--seq", "64", "--text-tokens", "512", *extra)
+    assert (tmp_path / "feats_l0-1" / "gen0000.captured").exists() == capture
     first = json.loads((data / "gen_0000.json").read_text())["rows"]
     sampled = json.loads((data / "gen_s0000.json").read_text())["rows"]
     assert [r["prompt_ids"] for r in first] == [r["prompt_ids"] for r in sampled]
@@ -86,3 +90,31 @@ def test_first_turn_chats_left_to_their_second_turns(tmp_path, monkeypatch):
     assert dc.generated_sequences([first], eos=1) == [[5, 6, 7, 1], [5, 9, 1]]
     (tmp_path / "gen_ts0001.json").write_text(json.dumps({"rows": []}))  # its second turns hold the chat
     assert dc.generated_sequences([first], eos=1) == [[5, 9, 1]]
+
+
+def test_captured_features_match_the_feature_pass(tiny, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import drafter_common as dc
+    import drafter_data as dd
+    import numpy as np
+    from drafter_capture import CaptureRunner, write_chunks
+
+    from specbatch.runtime.params import SamplingParams
+    prompts = [list(tiny.tokenizer.encode(p)) for p in ("def f(x):", "import os\n", "x = 1", "class A:\n", "# c\n" * 3)]
+    jobs = [(p, SamplingParams(max_tokens=5 + 3 * i, temperature=0.7 if i % 2 else 0.0, seed=i, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    runner = CaptureRunner(tiny.model, (0, 1))
+    requests = dd.decode(runner, tiny.tokenizer, jobs, 3)  # rows join and leave mid-way
+    seqs = [runner.sequence(i, r.prompt + r.tokens[:-1]) for i, r in enumerate(requests)]
+    for seq in seqs:
+        ref = dc.features(tiny.model, [seq["tokens"].tolist()], (0, 1))
+        assert (ref["greedy"][0] == seq["greedy"]).all()
+        for key in ("hidden", "layers"):
+            assert np.allclose(ref[key][0].astype(np.float32), seq[key].astype(np.float32), atol=2e-2), key
+        for key in ("keys", "values"):
+            assert np.allclose(ref[key][0].astype(np.float32), seq[key].astype(np.float32), atol=2e-2), key
+    write_chunks(seqs, "gens0000", tmp_path)
+    chunks = dc.load_chunks(names=["gens"], folder=tmp_path)
+    again = dc.sequences_of(chunks)
+    assert sorted(s["tokens"].tolist() for s in again) == sorted(s["tokens"].tolist() for s in seqs)
+    assert dc.extract(tiny.model, "gens0000", [s["tokens"].tolist() for s in seqs], 0.0, folder=tmp_path) > 0
