@@ -46,6 +46,36 @@ def test_rms_norm_rows_are_independent_strided_and_differentiable():
         _near(a, b, 1e-4)
 
 
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 70), min_size=1, max_size=3), spread=st.sampled_from([1.0, 10.0, 60.0]),
+       seed=st.integers(0, 2**16))
+def test_swiglu_matches_mlx(shape, spread, seed):
+    from mlx_lm.models.activations import swiglu
+    gate = mx.random.normal(shape, key=mx.random.key(seed)) * spread
+    up = mx.random.normal(shape, key=mx.random.key(seed + 1))
+    _near(cpu.swiglu(gate, up), swiglu(gate, up), 1e-6)
+
+
+@needs_kernels
+def test_swiglu_elements_are_independent_strided_wide_and_differentiable():
+    from mlx_lm.models.activations import swiglu
+    gate, up = mx.random.normal((3, 300, 97)) * 5, mx.random.normal((3, 300, 97))  # wide: the pool splits it
+    together = cpu.swiglu(gate, up)
+    assert mx.array_equal(cpu.swiglu(gate[2, 7:8, 5:6], up[2, 7:8, 5:6])[0, 0], together[2, 7, 5]).item()
+    _near(together, swiglu(gate, up), 1e-6)
+    gt, ut = mx.random.normal((40, 9)).T, mx.random.normal((40, 9)).T  # transposed views
+    _near(cpu.swiglu(gt, ut), swiglu(gt, ut), 1e-6)
+    ours = mx.grad(lambda g, u: (cpu.swiglu(g, u) ** 2).sum(), argnums=(0, 1))(gate, up)
+    theirs = mx.grad(lambda g, u: (swiglu(g, u) ** 2).sum(), argnums=(0, 1))(gate, up)
+    for a, b in zip(ours, theirs):
+        _near(a, b, 1e-5)
+    with cpu.disabled():  # MLX's own op where the kernels are off
+        assert mx.array_equal(cpu.swiglu(gate, up), swiglu(gate, up)).item()
+    with pytest.raises(ValueError, match="one shape"):
+        cpu.extension().swiglu(gate, up[:, :2])
+
+
 def _inv_freq(dims: int, base: float) -> mx.array:
     half = dims // 2
     return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * float(np.float32(np.log(np.float32(base))) / half))

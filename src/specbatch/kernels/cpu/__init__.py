@@ -13,7 +13,8 @@ and :func:`linear` and :func:`attention` are plain MLX. ``SPECBATCH_CPU_ISA=avx2
 AVX2 kernels on an AVX-512 CPU.
 
 ``rms_norm`` and ``rope`` are one op each where MLX's CPU backend composes ~8 and ~20
-(sines and cosines recomputed per call and head).
+(sines and cosines recomputed per call and head); ``swiglu`` is one op with a vectorised exp
+(MLX's CPU exp runs one float at a time).
 
 ``attention`` does softmax(q k^T) v for decode, verify and prefill queries over a strided
 KV (no copy of the cache), with a vectorised exp, query blocks (every head of a KV group
@@ -161,6 +162,16 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or x.ndim < 1:
         return mx.fast.rms_norm(x, weight, eps)
     return ext.rms_norm(x, weight, eps)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` as one kernel op (float32 on the CPU, any shape; MLX computes its
+    exps one at a time), mlx-lm's ``swiglu`` otherwise."""
+    ext = _active()
+    if ext is None or gate.dtype != mx.float32 or up.dtype != mx.float32 or gate.shape != up.shape:
+        from mlx_lm.models.activations import swiglu as mlx_swiglu
+        return mlx_swiglu(gate, up)
+    return ext.swiglu(gate, up)
 
 
 def rope_positions(offset) -> mx.array:
