@@ -76,6 +76,24 @@ def test_swiglu_elements_are_independent_strided_wide_and_differentiable():
         cpu.extension().swiglu(gate, up[:, :2])
 
 
+@needs_kernels
+def test_gumbel_kernel_is_its_mlx_fallback_and_shape_free():
+    seeds = mx.array([0, 1, 2**32 - 1], dtype=mx.uint32)
+    positions = mx.array([[0, 5, 9], [2**31 - 1, 3, 3], [7, 8, 1000]], dtype=mx.int32)
+    ours = cpu.gumbel(seeds, positions, 1037)  # odd vocabulary: a masked tail
+    with cpu.disabled():
+        theirs = cpu.gumbel(seeds, positions, 1037)
+    _near(ours, theirs, 1e-6)  # the same hash; the two logs agree to their last bits
+    assert mx.array_equal(ours[1, 1], ours[1, 2]).item()  # (seed, position) alike: the same noise
+    alone = cpu.gumbel(seeds[2:], positions[2:, 1:2], 1037)  # another call shape, the same elements
+    assert mx.array_equal(alone[0, 0], ours[2, 1]).item()
+    assert mx.array_equal(cpu.gumbel(seeds[:1], positions[:1, :1], 5)[0, 0], ours[0, 0, :5]).item()
+    ext = cpu.extension()
+    for bad in [(seeds.astype(mx.int32), positions, 5), (seeds, positions[:2], 5), (seeds, positions, 0)]:
+        with pytest.raises(ValueError):
+            ext.gumbel(*bad)
+
+
 def _inv_freq(dims: int, base: float) -> mx.array:
     half = dims // 2
     return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * float(np.float32(np.log(np.float32(base))) / half))
