@@ -46,6 +46,54 @@ def test_rms_norm_rows_are_independent_strided_and_differentiable():
         _near(a, b, 1e-4)
 
 
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 70), min_size=1, max_size=3), spread=st.sampled_from([1.0, 10.0, 60.0]),
+       seed=st.integers(0, 2**16))
+def test_swiglu_matches_mlx(shape, spread, seed):
+    from mlx_lm.models.activations import swiglu
+    gate = mx.random.normal(shape, key=mx.random.key(seed)) * spread
+    up = mx.random.normal(shape, key=mx.random.key(seed + 1))
+    _near(cpu.swiglu(gate, up), swiglu(gate, up), 1e-6)
+
+
+@needs_kernels
+def test_swiglu_elements_are_independent_strided_wide_and_differentiable():
+    from mlx_lm.models.activations import swiglu
+    gate, up = mx.random.normal((3, 300, 97)) * 5, mx.random.normal((3, 300, 97))  # wide: the pool splits it
+    together = cpu.swiglu(gate, up)
+    assert mx.array_equal(cpu.swiglu(gate[2, 7:8, 5:6], up[2, 7:8, 5:6])[0, 0], together[2, 7, 5]).item()
+    _near(together, swiglu(gate, up), 1e-6)
+    gt, ut = mx.random.normal((40, 9)).T, mx.random.normal((40, 9)).T  # transposed views
+    _near(cpu.swiglu(gt, ut), swiglu(gt, ut), 1e-6)
+    ours = mx.grad(lambda g, u: (cpu.swiglu(g, u) ** 2).sum(), argnums=(0, 1))(gate, up)
+    theirs = mx.grad(lambda g, u: (swiglu(g, u) ** 2).sum(), argnums=(0, 1))(gate, up)
+    for a, b in zip(ours, theirs):
+        _near(a, b, 1e-5)
+    with cpu.disabled():  # MLX's own op where the kernels are off
+        assert mx.array_equal(cpu.swiglu(gate, up), swiglu(gate, up)).item()
+    with pytest.raises(ValueError, match="one shape"):
+        cpu.extension().swiglu(gate, up[:, :2])
+
+
+@needs_kernels
+def test_gumbel_kernel_is_its_mlx_fallback_and_shape_free():
+    seeds = mx.array([0, 1, 2**32 - 1], dtype=mx.uint32)
+    positions = mx.array([[0, 5, 9], [2**31 - 1, 3, 3], [7, 8, 1000]], dtype=mx.int32)
+    ours = cpu.gumbel(seeds, positions, 1037)  # odd vocabulary: a masked tail
+    with cpu.disabled():
+        theirs = cpu.gumbel(seeds, positions, 1037)
+    _near(ours, theirs, 1e-6)  # the same hash; the two logs agree to their last bits
+    assert mx.array_equal(ours[1, 1], ours[1, 2]).item()  # (seed, position) alike: the same noise
+    alone = cpu.gumbel(seeds[2:], positions[2:, 1:2], 1037)  # another call shape, the same elements
+    assert mx.array_equal(alone[0, 0], ours[2, 1]).item()
+    assert mx.array_equal(cpu.gumbel(seeds[:1], positions[:1, :1], 5)[0, 0], ours[0, 0, :5]).item()
+    ext = cpu.extension()
+    for bad in [(seeds.astype(mx.int32), positions, 5), (seeds, positions[:2], 5), (seeds, positions, 0)]:
+        with pytest.raises(ValueError):
+            ext.gumbel(*bad)
+
+
 def _inv_freq(dims: int, base: float) -> mx.array:
     half = dims // 2
     return mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * float(np.float32(np.log(np.float32(base))) / half))

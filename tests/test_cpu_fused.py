@@ -88,14 +88,18 @@ def test_a_swapped_llama_decodes_the_same_bits_fused_or_not(tiny, monkeypatch):
     with_fusion = run()
     assert calls  # the fused path ran
     monkeypatch.setattr(fused, "attention_call", lambda *a, **k: None)
-    monkeypatch.setattr(fused, "mlp_call", lambda *a, **k: None)
+    # the separate kernels: two small linears, then the same activation kernel
+    monkeypatch.setattr(fused, "mlp_call", lambda self, x: self.down_proj(cpu.swiglu(self.gate_proj(x), self.up_proj(x))))
     assert mx.array_equal(run(), with_fusion).item()
 
 
 @needs_kernels
-def test_rows_past_the_small_m_kernels_take_the_modules_own_call(tiny):
+def test_rows_past_the_small_m_kernels_take_the_modules_own_linears(tiny):
     attn = tiny.model.layers[0].self_attn
     wide = mx.random.normal((1, cpu.MAX_ROWS + 1, tiny.model.args.hidden_size))
-    assert fused.attention_call(attn, wide) is None and fused.mlp_call(tiny.model.layers[0].mlp, wide) is None
+    assert fused.attention_call(attn, wide) is None
+    mlp = tiny.model.layers[0].mlp  # wide rows: the module's two linears, then the kernels' swiglu
+    expected = mlp.down_proj(cpu.swiglu(mlp.gate_proj(wide), mlp.up_proj(wide)))
+    assert mx.array_equal(fused.mlp_call(mlp, wide), expected).item()
     with cpu.disabled():
         assert fused.attention_call(attn, wide[:, :2]) is None

@@ -53,6 +53,28 @@ def test_the_decision_is_the_best_candidate_it_scores(cost, acceptance, width):
     assert (decision.plain and best <= 1.02 * p.rate(rows, PLAIN)) or p.rate(rows, decision) == best
 
 
+tables = st.lists(st.floats(0.0, 0.02), min_size=3, max_size=7).map(lambda steps: CostModel(
+    forward_table=[(2**i, 0.03 + sum(steps[:i + 1])) for i in range(len(steps))], row_s=0.0005,
+    draft_fixed_s=0.001, draft_row_s=0.0001, verify_s=0.001, round_s=0.0005))
+
+
+@given(tables, widths, rates, rates)
+def test_table_priced_decisions_are_monotone_in_acceptance(cost, width, a, b):
+    low, high = sorted((a, b))
+    p = policy(cost)
+    assert p.decide([RowState((low,) * 6)] * width).k <= p.decide([RowState((high,) * 6)] * width).k
+
+
+def test_a_measured_table_speculates_where_a_forward_reads_its_weights_once():
+    # flat to 4 tokens, then compute-bound: the line through both regimes prices verify too dear
+    table = CostModel(forward_table=[(1, 0.035), (2, 0.036), (4, 0.038), (8, 0.050), (16, 0.080), (32, 0.150)],
+                      row_s=0.001, draft_fixed_s=0.001, draft_row_s=0.0001, verify_s=0.001)
+    line = CostModel(0.0343, 0.0053, 0.001, 0.0001)
+    one = [RowState((0.15,) * 6)]
+    assert policy(line).decide(one) == PLAIN and policy(table).decide(one).k >= 1
+    assert policy(table).decide(one * 16) == PLAIN  # 16 rows x 2 positions: past the flat part
+
+
 def test_the_gate_the_overrides_and_the_cap():
     rows = [RowState((0.9,) * 6)] * 3
     assert policy(cap=2).decide(rows) == PLAIN and policy(cap=3).decide(rows).k >= 1  # the cap is inclusive

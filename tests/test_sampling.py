@@ -54,6 +54,24 @@ def test_sampling_follows_the_distribution():
     assert freq == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_position_noise_is_gumbel_and_independent_across_tokens_positions_and_seeds(kernels):
+    import contextlib
+
+    import numpy as np
+
+    from specbatch.kernels import cpu
+    from specbatch.kernels.sampling import position_noise
+    with contextlib.nullcontext() if kernels else cpu.disabled():
+        g = np.array(position_noise(list(range(32)), positions_from([0] * 32, 16), 2048)).astype(np.float64)
+    se = np.sqrt(1.645 / g.size)  # [32 seeds, 16 positions, 2048 tokens]
+    assert abs(g.mean() - 0.5772157) < 5 * se and abs(g.var() - np.pi**2 / 6) < 0.02
+    for a, b in [(g[..., :-1], g[..., 1:]), (g[:, :-1], g[:, 1:]), (g[:-1], g[1:])]:
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.01
+    u = np.exp(-np.exp(-g)).ravel()  # the Gumbel CDF: uniform deciles
+    assert np.allclose(np.histogram(u, bins=10, range=(0, 1))[0] / u.size, 0.1, atol=0.003)
+
+
 def test_top_p_and_top_k_cut_the_tail():
     logits = mx.log(mx.array([[[0.5, 0.3, 0.15, 0.05]]]))
     for params, allowed in [(dict(top_p=0.7), {0, 1}), (dict(top_k=1), {0}), (dict(top_p=0.9, top_k=3), {0, 1, 2})]:

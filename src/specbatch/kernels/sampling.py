@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime.params import SamplingParams
+from . import cpu
 
 
 def _key_words(seed: int) -> int:
@@ -28,12 +29,10 @@ def _key_words(seed: int) -> int:
 
 
 def position_noise(seeds: list[int], positions: mx.array, vocab: int) -> mx.array:
-    """Gumbel noise keyed by (seed, position): ``[B, N, V]`` for positions ``[B, N]``."""
-    B, N = positions.shape
-    seed_col = mx.array([_key_words(s) for s in seeds], dtype=mx.uint32)[:, None]  # [B, 1]
-    keys = mx.stack([mx.broadcast_to(seed_col, (B, N)), positions.astype(mx.uint32)], -1)
-    draw = mx.vmap(lambda k: mx.random.gumbel(shape=(vocab,), key=k))
-    return draw(keys.reshape(B * N, 2)).reshape(B, N, vocab)
+    """Gumbel noise keyed by (seed, position): ``[B, N, V]`` for positions ``[B, N]``; each
+    element a pure function of (seed, position, token) (``cpu.gumbel``'s hash)."""
+    words = mx.array([_key_words(s) for s in seeds], dtype=mx.uint32)  # [B]
+    return cpu.gumbel(words, positions.astype(mx.int32), vocab)
 
 
 def filter_logits(logits: mx.array, top_p: mx.array, top_k: mx.array) -> mx.array:

@@ -16,6 +16,7 @@ import structlog
 
 from .admission import room, within_budget
 from .output import RoundOutput
+from .policy import PLAIN
 from .scheduler import take
 
 log = structlog.get_logger(__name__)
@@ -117,7 +118,14 @@ class Moves:
 
     def _decide(self, requests):
         self.book.keep(requests)  # the policy decides the round from the live rows' acceptance
-        return self.policy.decide(self.book.rows(requests))
+        rows = self.book.rows(requests)
+        decision = self.policy.decide(rows)
+        if decision != getattr(self, "_decided", None):  # logged when it changes, with what it weighed
+            self._decided = decision
+            log.debug("decide", width=len(rows), k=decision.k, tree=str(decision.tree) if decision.tree else None,
+                      tok_s=round(self.policy.rate(rows, decision), 2), plain_tok_s=round(self.policy.rate(rows, PLAIN), 2),
+                      acceptance=[round(a, 2) for a in rows[0].acceptance[:4]])
+        return decision
 
     def _observe(self, requests, out: RoundOutput) -> RoundOutput:
         if out.verify is not None:  # a verify round updates its rows' acceptance

@@ -18,37 +18,16 @@ from typing import Sequence
 
 import attrs
 
+from .cost import CostModel
 from .tree_shape import BatchTree, TreeShape
+
+__all__ = ["CostModel", "Decision", "Prior", "RowState", "SpecPolicy", "AcceptanceBook", "PLAIN"]
 
 SIBLING = 0.5  # a sibling candidate accepts at this fraction of the one before it (the model of a tree)
 MARGIN = 0.02  # speculation must beat plain by this much to be chosen (unmodelled overheads)
 PRIOR_ACCEPTANCE = 0.6  # per position, where no calibration says otherwise
 EWMA = 0.3  # weight of the latest round in a row's acceptance
 RELAX = 0.1  # a plain round moves a row's acceptance this far back toward the prior
-
-
-@attrs.frozen
-class CostModel:
-    """Seconds per round: a target forward over ``rows x positions`` tokens and a drafter
-    step over ``rows`` (``specbatch calibrate`` measures them; defaults: relative units)."""
-
-    target_fixed_s: float = 1.0
-    target_token_s: float = 0.02
-    draft_fixed_s: float = 0.1
-    draft_row_s: float = 0.01
-
-    def forward_s(self, rows: int, positions: int) -> float:
-        return self.target_fixed_s + self.target_token_s * rows * positions
-
-    def draft_s(self, rows: int) -> float:
-        return self.draft_fixed_s + self.draft_row_s * rows
-
-    def to_json(self) -> dict:
-        return attrs.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "CostModel":
-        return cls(**{f.name: float(data[f.name]) for f in attrs.fields(cls)})
 
 
 @attrs.frozen
@@ -189,13 +168,12 @@ class SpecPolicy:
         """Expected emitted tokens per second of ``rows`` under ``decision``."""
         cost, width = self.prior.cost, len(rows)
         if decision.plain:
-            return width / cost.forward_s(width, 1)
+            return width / cost.plain_s(width)
         if decision.tree is not None:
             tokens = sum(tree_tokens(r, decision.tree) for r in rows)
-            return tokens / tree_seconds(cost, width, decision.tree)
+            return tokens / (tree_seconds(cost, width, decision.tree) + cost.round_s + cost.verify_s)
         k = decision.k
-        tokens = sum(chain_tokens(r, k) for r in rows)
-        return tokens / (k * cost.draft_s(width) + cost.forward_s(width, k + 1))
+        return sum(chain_tokens(r, k) for r in rows) / cost.chain_s(width, k)
 
     def _tree_for(self, rows: Sequence[RowState]) -> TreeShape | None:
         hottest = max(r.temperature for r in rows)

@@ -10,7 +10,7 @@ import statistics
 from ..kernels.calibration import acceptance_by_position, derive_prior, lookup, machine_key, pair_key, store, store_fields
 from ..runtime.schedule import Band, DraftSchedule
 from .bench.harness import Context, acceptance, code_prompts, engine_tok_s
-from .calibrate_cost import cells_from, fit_cost
+from .calibrate_cost import cells_from, fit_cost, measure_forwards
 from .calibrate_prefill import calibrate_prefill
 from .calibrate_tree import measure_trees, with_tree_depth
 
@@ -104,7 +104,8 @@ def run_calibrate(args) -> int:
     else:
         by_position, by_cell = table.pop("acceptance"), table.pop("cell_acceptance")
         prior = derive_prior({"measured_tok_s": table}, lookup(target.name, None, "", dict) or {})
-        cost = fit_cost(cells_from(table, by_cell)) or prior.cost  # the rounds' own times where they suffice
+        forwards = measure_forwards(target.model)  # the forwards priced as timed, the rest fitted
+        cost = fit_cost(cells_from(table, by_cell), forwards) or prior.cost
         extra.update(cost=cost.to_json(), acceptance=by_position or list(prior.acceptance), cell_acceptance=by_cell)
         print(f"cost model: {cost.to_json()}")
         path = store(target.name, drafter.name, schedule, table, extra)

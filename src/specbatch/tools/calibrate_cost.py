@@ -10,6 +10,10 @@ policy prices a round as ``forward_s(w, k + 1) + k * draft_s(w)`` (``runtime.pol
 linear in the four costs, so one least-squares fit over every cell gives them, engine
 overhead and sampling included where they fall (a cost fitted below zero is pinned at zero
 and the rest refitted). Errors are weighed relative to each round's seconds.
+
+Where the target's forwards were timed directly (``measure_forwards``: one row over 1-48
+positions, 2-16 rows of one), their table prices the forward, and the same fit gives what
+the rounds spend beyond it: the drafter's steps, ``round_s`` and ``verify_s``.
 """
 
 from __future__ import annotations
@@ -38,23 +42,54 @@ def _terms(cell: Cell) -> list[float]:
     return [1.0, w * (k + 1.0), float(k), float(k * w)]
 
 
-def fit_cost(cells: list[Cell]) -> CostModel | None:
-    """The four costs that best explain ``cells``' round times; None without both plain and
-    drafted cells at two widths or more (the fit would be underdetermined)."""
+def _overhead_terms(cell: Cell) -> list[float]:
+    w, k = cell.width, cell.k
+    return [float(k), float(k * w), float(k > 0), 1.0]  # draft_fixed, draft_row, verify_s, round_s
+
+
+def fit_cost(cells: list[Cell], forwards: CostModel | None = None) -> CostModel | None:
+    """The costs that best explain ``cells``' round times (with ``forwards``, a model holding
+    the measured forward table: what the rounds spend beyond those forwards); None without
+    both plain and drafted cells at two widths or more (the fit would be underdetermined)."""
     if len({c.width for c in cells if c.k == 0}) < 2 or len({c.width for c in cells if c.k > 0}) < 2:
         return None
-    rows = np.array([_terms(c) for c in cells])  # [cells, 4]
+    if forwards is not None and forwards.forward_table:
+        rows = np.array([_overhead_terms(c) for c in cells])  # [cells, 4]
+        spent = np.array([c.round_s - forwards.forward_s(c.width, c.k + 1) for c in cells])
+        costs = _nonnegative_fit(rows, spent, np.array([c.round_s for c in cells]))
+        return attrs.evolve(forwards, draft_fixed_s=costs[0], draft_row_s=costs[1], verify_s=costs[2],
+                            round_s=costs[3])
     target = np.array([c.round_s for c in cells])  # [cells]
-    weight = 1.0 / target  # relative errors: a 16-row round does not drown a 1-row one
-    free = [0, 1, 2, 3]
+    return CostModel(*_nonnegative_fit(np.array([_terms(c) for c in cells]), target, target))
+
+
+def _nonnegative_fit(rows: np.ndarray, target: np.ndarray, scale: np.ndarray) -> list[float]:
+    """Least squares of ``rows @ costs = target`` relative to ``scale`` (each round's seconds:
+    a 16-row round does not drown a 1-row one), every cost >= 0."""
+    weight = 1.0 / scale
+    free = list(range(rows.shape[1]))
     while True:
         solution, *_ = np.linalg.lstsq(rows[:, free] * weight[:, None], target * weight, rcond=None)
         if (solution >= 0).all() or len(free) == 1:
             break
         free.pop(int(np.argmin(solution)))  # the most negative cost is pinned at zero
-    costs = np.zeros(4)
+    costs = np.zeros(rows.shape[1])
     costs[free] = np.maximum(solution, 0.0)
-    return CostModel(*[float(c) for c in costs])
+    return [float(c) for c in costs]
+
+
+TABLE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48)
+ROW_WIDTHS = (2, 4, 8, 16)
+
+
+def measure_forwards(model, repeats: int = 7) -> CostModel:
+    """The target's forwards timed directly (medians, over a 128-token context): one row's
+    forward by positions, and what each row past the first adds at equal tokens."""
+    from .bench.kernels import forward_ms
+    table = [(n, forward_ms(model, 1, n, repeats) / 1e3) for n in TABLE_TOKENS]
+    forwards = CostModel(forward_table=table)
+    extra = [(forward_ms(model, w, 1, repeats) / 1e3 - forwards.tokens_s(w)) / (w - 1) for w in ROW_WIDTHS]
+    return attrs.evolve(forwards, row_s=max(0.0, float(np.median(extra))))
 
 
 def cells_from(table: dict, acceptance: dict) -> list[Cell]:

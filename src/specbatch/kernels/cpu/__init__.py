@@ -13,7 +13,8 @@ and :func:`linear` and :func:`attention` are plain MLX. ``SPECBATCH_CPU_ISA=avx2
 AVX2 kernels on an AVX-512 CPU.
 
 ``rms_norm`` and ``rope`` are one op each where MLX's CPU backend composes ~8 and ~20
-(sines and cosines recomputed per call and head).
+(sines and cosines recomputed per call and head); ``swiglu`` is one op with a vectorised exp
+(MLX's CPU exp runs one float at a time); ``gumbel`` is the sampler's keyed noise as one op.
 
 ``attention`` does softmax(q k^T) v for decode, verify and prefill queries over a strided
 KV (no copy of the cache), with a vectorised exp, query blocks (every head of a KV group
@@ -161,6 +162,41 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or x.ndim < 1:
         return mx.fast.rms_norm(x, weight, eps)
     return ext.rms_norm(x, weight, eps)
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` as one kernel op (float32 on the CPU, any shape; MLX computes its
+    exps one at a time), mlx-lm's ``swiglu`` otherwise."""
+    ext = _active()
+    if ext is None or gate.dtype != mx.float32 or up.dtype != mx.float32 or gate.shape != up.shape:
+        from mlx_lm.models.activations import swiglu as mlx_swiglu
+        return mlx_swiglu(gate, up)
+    return ext.swiglu(gate, up)
+
+
+def _fmix(h: mx.array) -> mx.array:
+    """murmur3's 32-bit finaliser on uint32 arrays (the kernel's hash, in MLX ops)."""
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+def gumbel(seeds: mx.array, positions: mx.array, vocab: int) -> mx.array:
+    """Gumbel noise ``[B, N, vocab]`` keyed by (seed, position, token): ``seeds`` uint32
+    ``[B]``, ``positions`` int32 ``[B, N]``. One kernel op on the CPU; elsewhere the same
+    hash in MLX ops (equal up to the last bits of the two logs)."""
+    ext = _active()
+    if ext is not None:
+        return ext.gumbel(seeds, positions, vocab)
+    u32 = mx.uint32
+    pos = positions.astype(u32)
+    key = _fmix(seeds.astype(u32)[:, None] ^ _fmix(pos * 0x9E3779B9 + 0x7F4A7C15))  # [B, N]
+    token = _fmix(mx.arange(vocab, dtype=u32) * 0x9E3779B9 ^ 0x85EBCA77)  # [V]
+    h = _fmix(token[None, None, :] + key[..., None])  # [B, N, V]
+    u = ((h >> 8).astype(mx.float32) + 0.5) * 2.0**-24  # in (0, 1)
+    return -mx.log(-mx.log(u))
 
 
 def rope_positions(offset) -> mx.array:

@@ -4,7 +4,8 @@ mlx-lm's llama / qwen2 ``Attention`` runs three linears, three reshapes and tran
 two RoPEs before its cache update (11 graph nodes a layer); here ``qkv_rope`` is one op that
 writes q, k (rotated) and v in the head layout. Its ``MLP`` runs two linears where
 ``gate_up`` is one. Per element both give the bits the separate kernels give, so the layer's
-output is the same; anything else (more rows than the small-M kernels take, other dtypes,
+output is the same. The MLP's activation is the kernels' ``swiglu`` at every width (prefill
+chunks too), so a row's bits never depend on which path its forward took. Anything else (more rows than the small-M kernels take, other dtypes,
 sharded or quantized projections, a RoPE variant without the kernel, a quantized cache,
 per-head norms) takes the module's own call: these return None there.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import MAX_ROWS, _active, attention, paged_attention, rope_positions, rows_of
+from . import MAX_ROWS, _active, attention, paged_attention, rope_positions, rows_of, swiglu
 
 MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")  # classes whose calls are copied here
 
@@ -61,12 +62,15 @@ def attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
 
 
 def mlp_call(self, x: mx.array) -> mx.array | None:
-    """mlx-lm's llama ``MLP.__call__`` on ``gate_up``; None where it does not apply."""
-    from mlx_lm.models.activations import swiglu
+    """mlx-lm's llama ``MLP.__call__`` on ``gate_up`` and ``swiglu`` (wider inputs: the two
+    linears, then ``swiglu``); None where the kernels are off or the input is not float32."""
     ext = _active()
-    weights = _linears(self.gate_proj, self.up_proj)
-    if (ext is None or weights is None or x.dtype != mx.float32 or not 0 < rows_of(x) <= MAX_ROWS
-            or "bias" in self.gate_proj or "bias" in self.up_proj):
+    if ext is None or x.dtype != mx.float32:
         return None
-    gate, up = ext.gate_up(x, *weights)
+    weights = _linears(self.gate_proj, self.up_proj)
+    if (weights is None or not 0 < rows_of(x) <= MAX_ROWS or "bias" in self.gate_proj
+            or "bias" in self.up_proj):
+        gate, up = self.gate_proj(x), self.up_proj(x)
+    else:
+        gate, up = ext.gate_up(x, *weights)
     return self.down_proj(swiglu(gate, up))

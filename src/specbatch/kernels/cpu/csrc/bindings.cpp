@@ -6,10 +6,12 @@
 #include "gemv.h"
 #include "linear.h"
 #include "mlx/version.h"
+#include "noise.h"
 #include "norm.h"
 #include "pool.h"
 #include "projections.h"
 #include "rope.h"
+#include "swiglu.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -39,6 +41,10 @@ NB_MODULE(_ext, m) {
         nb::arg("scale"), "a layer's q, k (roped) and v in the head layout, one op for up to 32 rows");
   m.def("gate_up", &specbatch::gate_up, nb::arg("x"), nb::arg("wg"), nb::arg("wu"),
         "x @ wg.T and x @ wu.T in one op for up to 32 rows");
+  m.def("swiglu", &specbatch::swiglu, nb::arg("gate"), nb::arg("up"),
+        "silu(gate) * up (float32, CPU), one op with a vectorised exp");
+  m.def("gumbel", &specbatch::gumbel, nb::arg("seeds"), nb::arg("positions"), nb::arg("vocab"),
+        "Gumbel noise [B, N, vocab] keyed by (seed, position, token), one op");
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
   m.def("threads", [] { return specbatch::pool().size(); });
   // the MLX this was compiled against; the loader refuses to run beside another one

@@ -1,0 +1,3 @@
+#define W 8
+#define SWIGLU swiglu_avx2
+#include "swiglu_impl.h"

@@ -1,0 +1,75 @@
+"""What a round costs, in seconds: the policy's ``CostModel`` (``specbatch calibrate``
+measures it and stores it with the pair).
+
+A target forward over ``rows x positions`` tokens costs what calibrate timed for that many
+tokens of one row (``forward_table``: measured forwards, interpolated), plus ``row_s`` for
+each row past the first (each row attends over its own KV). On this CPU a forward reads
+every weight once whatever its token count, so up to ~8 tokens it costs nearly what one
+costs; a line through every width's rounds (``target_fixed_s + target_token_s * tokens``,
+the model where no table was measured) priced a width-1 verify of 2 positions at 1.3x a
+step where it takes 1.05x. A drafter step over ``rows`` costs ``draft_fixed_s + draft_row_s
+* rows``; every round adds ``round_s`` (sampling, the host sync) and a speculative one
+``verify_s`` more (accept, rollback, every position sampled).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+def _points(value) -> tuple[tuple[int, float], ...]:
+    """(tokens, seconds) pairs sorted by tokens, from any sequence of pairs (JSON lists)."""
+    return tuple(sorted((int(t), float(s)) for t, s in value))
+
+
+@attrs.frozen
+class CostModel:
+    target_fixed_s: float = 1.0
+    target_token_s: float = 0.02
+    draft_fixed_s: float = 0.1
+    draft_row_s: float = 0.01
+    forward_table: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_points)
+    row_s: float = 0.0
+    verify_s: float = 0.0
+    round_s: float = 0.0
+
+    def forward_s(self, rows: int, positions: int) -> float:
+        tokens = rows * positions
+        if not self.forward_table:
+            return self.target_fixed_s + self.target_token_s * tokens
+        return self.tokens_s(tokens) + self.row_s * (rows - 1)
+
+    def tokens_s(self, tokens: int) -> float:
+        """One row's forward of ``tokens`` positions from the table: linear between measured
+        points, the first point's below them, the last two points' slope past them."""
+        table = self.forward_table
+        if tokens <= table[0][0] or len(table) == 1:
+            return table[0][1] if tokens <= table[0][0] else table[0][1] * tokens / table[0][0]
+        for (t0, s0), (t1, s1) in zip(table, table[1:]):
+            if tokens <= t1:
+                return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+        (t0, s0), (t1, s1) = table[-2], table[-1]
+        return s1 + (s1 - s0) * (tokens - t1) / (t1 - t0)
+
+    def draft_s(self, rows: int) -> float:
+        return self.draft_fixed_s + self.draft_row_s * rows
+
+    def plain_s(self, rows: int) -> float:
+        """A plain round of ``rows``: one forward of a position each."""
+        return self.forward_s(rows, 1) + self.round_s
+
+    def chain_s(self, rows: int, k: int) -> float:
+        """A chain of ``k``: k drafter steps, one forward over ``k + 1`` positions a row."""
+        return k * self.draft_s(rows) + self.forward_s(rows, k + 1) + self.round_s + self.verify_s
+
+    def to_json(self) -> dict:
+        data = attrs.asdict(self)
+        data["forward_table"] = [list(p) for p in self.forward_table]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        """Every field present in ``data`` (a calibration file from before a field existed
+        keeps that field's default)."""
+        known = {f.name for f in attrs.fields(cls)}
+        return cls(**{k: (v if k == "forward_table" else float(v)) for k, v in data.items() if k in known})
