@@ -118,3 +118,34 @@ def test_captured_features_match_the_feature_pass(tiny, tmp_path, monkeypatch):
     again = dc.sequences_of(chunks)
     assert sorted(s["tokens"].tolist() for s in again) == sorted(s["tokens"].tolist() for s in seqs)
     assert dc.extract(tiny.model, "gens0000", [s["tokens"].tolist() for s in seqs], 0.0, folder=tmp_path) > 0
+
+
+def test_fused_training_unroll_matches_drafting(tiny, monkeypatch):
+    """The training unroll over cached features (fused input, own outputs fed back) gives the
+    logits the drafter drafts at run time, step by step."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import drafter_common as dc
+    import mlx.core as mx
+    import train_mtp_head as tm
+    from mlx_lm.models.cache import KVCache
+
+    from specbatch.kernels.drafters.mtp import MTPDrafter, MTPHead, head_config
+    from specbatch.kernels.runner import ModelRunner
+    mx.random.seed(7)
+    head = MTPHead(head_config(tiny.model.args, intermediate_size=64) | {"fuse_layers": [0, 1]})
+    mx.eval(head.parameters())
+    seq = [5, 9, 33, 7, 120, 44, 3, 81, 17]
+    f = dc.features(tiny.model, [seq], (0, 1))
+    s = {k: f[k][0] for k in ("tokens", "hidden", "keys", "values", "greedy", "layers")}
+    b = tm.make_batch([s], 2)
+    outs = tm.unrolled(head, tiny.model.model.embed_tokens.weight, b["tokens"], head.first_input(b["layers"]),
+                       b["keys"], b["values"], 2)  # [1, N, D] per step
+    runner = ModelRunner(tiny.model)
+    drafter = MTPDrafter(head, runner)
+    for n in range(len(seq) - 3):
+        cache = KVCache()
+        cache.keys, cache.values, cache.offset = b["keys"][..., :n + 1, :], b["values"][..., :n + 1, :], n + 1
+        drafter.hidden = head.first_input(b["layers"][:, n])
+        _, logits = drafter.draft(None, mx.array([seq[n + 1]]), 2, lambda lg, j: mx.array([seq[n + 2 + j]]), context=[cache])
+        for j in range(2):
+            assert mx.allclose(logits[0, j], runner.head(outs[j][0, n]), atol=1e-3), (n, j)
