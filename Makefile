@@ -59,7 +59,7 @@ clean:
 FUSE = 2,15,29
 FEATS = build/drafters/feats_l2-15-29
 drafters: $(STAMP)
-	$(RUN) scripts/drafter_data.py --minutes 110 --width 48 --capture --fuse-layers $(FUSE)
+	$(RUN) scripts/drafter_data.py --minutes 120 --width 48 --capture --fuse-layers $(FUSE)
 	$(RUN) scripts/train_mtp_head.py --extract-only all --fuse-layers $(FUSE) --extract-minutes 60 --text-tokens 300000
 	$(RUN) scripts/train_mtp_head.py --extract-minutes 0 --feats $(FEATS) --out build/drafters/mtp-u1 --vocab 4096 --unroll 1 --batch 8 --minutes 40
 	$(RUN) scripts/train_mtp_head.py --extract-minutes 0 --feats $(FEATS) --out build/drafters/mtp --init-from build/drafters/mtp-u1 --vocab 4096 --unroll 2 --batch 8 --lr 5e-4 --minutes 105

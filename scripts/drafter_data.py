@@ -21,7 +21,7 @@ decode forwards themselves (with ``--fuse-layers``, those layers too), so the ex
 of scripts/train_mtp_head.py skips them (measured: no cost to the generation's tok/s).
 ``--bench-widths 32,48`` times 30 s of greedy answers at each width and stops.
 
-    python -m specbatch.blas scripts/drafter_data.py --minutes 110 --capture --fuse-layers 2,15,29
+    python -m specbatch.blas scripts/drafter_data.py --minutes 120 --capture --fuse-layers 2,15,29
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def bench_widths(runner, tok, items: list[dict], widths: list[int], seconds: flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--minutes", type=float, default=110.0, help="time box for the whole script (about 1M answer tokens)")
+    ap.add_argument("--minutes", type=float, default=120.0, help="time box for the whole script (about 1M answer tokens)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seq", type=int, default=512, help="teacher-forcing sequence length")
     ap.add_argument("--text-tokens", type=int, default=1_500_000, help="text tokens to keep")
@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=192, help="prompts per saved chunk")
     ap.add_argument("--prompts", type=int, default=None, help="templated prompts kept (default: all)")
     ap.add_argument("--magpie", type=int, default=1200, help="self-written questions to answer")
-    ap.add_argument("--magpie-minutes", type=float, default=8.0, help="time box for writing them")
+    ap.add_argument("--magpie-minutes", type=float, default=12.0, help="time box for writing them (about 1,200 at width 48)")
     ap.add_argument("--max-tokens", type=int, default=256, help="answer length cap")
     ap.add_argument("--temperature", type=float, default=0.7, help="of the sampled answers")
     ap.add_argument("--target", default=None, help="the target (default: the embedded one)")
