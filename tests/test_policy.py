@@ -146,8 +146,8 @@ def test_acceptance_by_position_from_a_histogram():
 
 
 def test_the_shipped_calibration_speculates_alone_and_decodes_wide_batches_plain():
-    """The mtp pair's fitted cost table: a chain of one alone (it beat plain there), plain
-    at 16 rows (plain won from 2); the separate drafter (no cost table: the derived,
+    """The mtp pair's measured forward table and fitted costs: a short chain alone (k = 1-2
+    beat plain there), plain at 16 rows (plain won from 2); the separate drafter (no cost table: the derived,
     conservative prior) never pays."""
     from specbatch.runtime.policy import CostModel, Prior
     table = json.loads(SHIPPED.read_text())
@@ -156,7 +156,7 @@ def test_the_shipped_calibration_speculates_alone_and_decodes_wide_batches_plain
     entry = pairs["SmolLM2-135M-Instruct.Q4_1.gguf+mtp"]
     mtp = SpecPolicy(prior=Prior(CostModel.from_json(entry["cost"]), entry["acceptance"]), max_k=4)
     row = RowState(mtp.prior.acceptance)
-    assert mtp.decide([row]) == Decision(1) and mtp.decide([row] * 16) == PLAIN
+    assert 1 <= mtp.decide([row]).k <= 2 and mtp.decide([row] * 16) == PLAIN
     assert 1 <= mtp.paying_width() < 8
     model = SpecPolicy(prior=derive_prior(pairs["SmolLM2-135M-Instruct.Q4_1.gguf+drafter"], base), max_k=4)
     assert model.paying_width() == 0
