@@ -54,6 +54,6 @@ def test_the_policy_bench_decodes_prompts_calibration_never_saw_at_mixed_tempera
             return type("Handle", (), {"result": lambda self, timeout: type("R", (), {"usage": usage})})()
 
     engine = Recorder()
-    assert policy.mixed_tok_s(engine, held_out[:4], 5) > 0
+    assert policy.mixed_tok_s(engine, held_out[:4], 2, 5) > 0
     assert [p.temperature for p in engine.asked] == [0.0, 0.7, 0.0, 0.7]
     assert len({p.seed for p in engine.asked}) == 4

@@ -129,9 +129,12 @@ def test_plain_rounds_bring_a_rejected_row_back_to_speculating():
     policy = SpecPolicy(prior=Prior(cost, (0.3,)), max_k=2)
     book, row = AcceptanceBook(policy.prior, depth=2), Req("a")
     assert policy.decide(book.rows([row])) != PLAIN  # the prior pays
-    for _ in range(3):
+    rejections = 0
+    while policy.decide(book.rows([row])) != PLAIN:  # a run of rejections: plain
         book.observe([row], drafted=1, accepted=[0])
-    assert policy.decide(book.rows([row])) == PLAIN  # three rejections: plain
+        rejections += 1
+        assert rejections < 50
+    assert rejections >= 3  # at acceptance 0.3 most rounds reject: a few in a row do not flip it
     rounds = 0
     while policy.decide(book.rows([row])) == PLAIN:  # plain rounds observe nothing but drift back
         book.relax([row])

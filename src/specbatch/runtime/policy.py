@@ -26,7 +26,7 @@ __all__ = ["CostModel", "Decision", "Prior", "RowState", "SpecPolicy", "Acceptan
 SIBLING = 0.5  # a sibling candidate accepts at this fraction of the one before it (the model of a tree)
 MARGIN = 0.02  # speculation must beat plain by this much to be chosen (unmodelled overheads)
 PRIOR_ACCEPTANCE = 0.6  # per position, where no calibration says otherwise
-EWMA = 0.3  # weight of the latest round in a row's acceptance
+EWMA = 0.1  # weight of the latest round in a row's acceptance (0.3 swung a 0.3-accepting row to plain and back)
 RELAX = 0.1  # a plain round moves a row's acceptance this far back toward the prior
 
 
