@@ -90,6 +90,7 @@ class SpecMachine(Moves):
         self.calm_rounds = 0  # gated rounds in a row spent within the cap (re-arm hysteresis)
         self.policy = config.policy()  # decides every round's draft (pure)
         self.book = AcceptanceBook(config.drafts.prior, config.num_draft_tokens)  # live rows' acceptance
+        self.decided = None  # the last round's Decision (a change is logged)
         self.machine = build_machine(self)
 
     # -- guards (pure) ------------------------------------------------------------------

@@ -120,8 +120,8 @@ class Moves:
         self.book.keep(requests)  # the policy decides the round from the live rows' acceptance
         rows = self.book.rows(requests)
         decision = self.policy.decide(rows)
-        if decision != getattr(self, "_decided", None):  # logged when it changes, with what it weighed
-            self._decided = decision
+        if decision != self.decided:  # logged when it changes, with what it weighed
+            self.decided = decision
             log.debug("decide", width=len(rows), k=decision.k, tree=str(decision.tree) if decision.tree else None,
                       tok_s=round(self.policy.rate(rows, decision), 2), plain_tok_s=round(self.policy.rate(rows, PLAIN), 2),
                       acceptance=[round(a, 2) for a in rows[0].acceptance[:4]])
