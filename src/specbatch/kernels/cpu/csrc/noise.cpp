@@ -57,10 +57,7 @@ void Gumbel::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       for (int64_t r = r0; r < r1; ++r)
         row(gumbel_key(sp[r / N], static_cast<uint32_t>(pp[r])), yp + r * V, V);
     };
-    if (rows < 2) return body(0, rows);  // one row: a pool wake costs about what it saves
-    auto& p = pool();
-    const int64_t per = (rows + p.size() - 1) / p.size();
-    p.run([&](int part) { body(std::min(rows, part * per), std::min(rows, (part + 1) * per)); });
+    pool().split(rows, 1, 2, body);  // one row: a pool wake costs about what it saves
   });
 }
 

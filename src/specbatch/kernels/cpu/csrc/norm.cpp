@@ -8,6 +8,7 @@
 #include "mlx/fast.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
+#include "grad.h"
 #include "pool.h"
 #include "strided.h"
 
@@ -55,10 +56,7 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     auto body = [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * D, wp, yp + r * D, D, eps);
     };
-    if (rows * D < (1 << 16)) return body(0, rows);  // decode shapes: a pool wake costs more
-    auto& p = pool();
-    const int64_t per = (rows + p.size() - 1) / p.size();
-    p.run([&](int part) { body(std::min(rows, part * per), std::min(rows, (part + 1) * per)); });
+    pool().split(rows, D, 1 << 16, body);
   });
 }
 
@@ -69,10 +67,7 @@ std::vector<mx::array> RMSNorm::vjp(const std::vector<mx::array>& primals, const
   auto f = [eps](const std::vector<mx::array>& in) {
     return std::vector<mx::array>{mx::fast::rms_norm(in[0], in[1], eps)};
   };
-  auto grads = mx::vjp(f, primals, cotangents).second;
-  std::vector<mx::array> picked;
-  for (int arg : argnums) picked.push_back(grads[arg]);
-  return picked;
+  return vjp_through(f, primals, cotangents, argnums);
 }
 
 void RMSNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {

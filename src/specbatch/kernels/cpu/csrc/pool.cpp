@@ -1,5 +1,6 @@
 #include "pool.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <immintrin.h>
@@ -78,6 +79,13 @@ void Pool::work(int id) {
     (*job)(id);
     pending_.fetch_sub(1, std::memory_order_acq_rel);
   }
+}
+
+void Pool::split(int64_t n, int64_t cost, int64_t alone, const std::function<void(int64_t, int64_t)>& fn,
+                 int64_t align) {
+  if (n * cost < alone) return fn(0, n);
+  const int64_t per = ((n + size() - 1) / size() + align - 1) / align * align;
+  run([&](int part) { fn(std::min(n, part * per), std::min(n, (part + 1) * per)); });
 }
 
 Pool& pool() {

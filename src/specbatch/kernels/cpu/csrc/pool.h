@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -19,6 +20,11 @@ class Pool {
   // Runs fn(0..size()-1), part 0 on the calling thread; returns when all are done. Callers
   // on different threads (MLX runs one stream thread per stream) take turns.
   void run(const std::function<void(int)>& fn);
+  // Runs fn(a, b) over [0, n) cut into size() parts (each a multiple of `align` long, so a
+  // vector never straddles two), or once on this thread where n * cost < `alone` (decode
+  // shapes: a pool wake costs more than it saves).
+  void split(int64_t n, int64_t cost, int64_t alone, const std::function<void(int64_t, int64_t)>& fn,
+             int64_t align = 1);
 
  private:
   void work(int id);

@@ -84,10 +84,7 @@ void RoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     a.pos = row_major(pos, pc), a.inv = row_major(inv, ic);
     const int64_t tokens = static_cast<int64_t>(a.B) * a.L;
     auto body = [&](int64_t t0, int64_t t1) { rope_tokens(a, t0, t1); };
-    if (tokens * a.H * a.D < (1 << 15)) return body(0, tokens);  // decode shapes: no pool wake
-    auto& p = pool();
-    const int64_t per = (tokens + p.size() - 1) / p.size();
-    p.run([&](int part) { body(std::min(tokens, part * per), std::min(tokens, (part + 1) * per)); });
+    pool().split(tokens, static_cast<int64_t>(a.H) * a.D, 1 << 15, body);
   });
 }
 

@@ -4,10 +4,10 @@
 #include <stdexcept>
 
 #include "gemv.h"
+#include "grad.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "mlx/transforms.h"
 #include "pool.h"
 #include "strided.h"
 
@@ -35,14 +35,7 @@ void Swiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     const float* gp = row_major(g, gc);
     const float* up = row_major(u, uc);
     auto body = detect_isa() == Isa::avx512 ? swiglu_avx512 : swiglu_avx2;
-    if (n < (1 << 15)) return body(gp, up, yp, n);  // decode shapes: a pool wake costs more
-    auto& p = pool();
-    // parts on 64-float boundaries, so no vector straddles two of them
-    const int64_t per = ((n + p.size() - 1) / p.size() + 63) / 64 * 64;
-    p.run([&](int part) {
-      const int64_t a = std::min(n, part * per), b = std::min(n, (part + 1) * per);
-      body(gp + a, up + a, yp + a, b - a);
-    });
+    pool().split(n, 1, 1 << 15, [&](int64_t a, int64_t b) { body(gp + a, up + a, yp + a, b - a); }, 64);
   });
 }
 
@@ -52,10 +45,7 @@ std::vector<mx::array> Swiglu::vjp(const std::vector<mx::array>& primals, const 
   auto f = [](const std::vector<mx::array>& in) {
     return std::vector<mx::array>{mx::multiply(mx::multiply(in[0], mx::sigmoid(in[0])), in[1])};
   };
-  auto grads = mx::vjp(f, primals, cotangents).second;
-  std::vector<mx::array> picked;
-  for (int arg : argnums) picked.push_back(grads[arg]);
-  return picked;
+  return vjp_through(f, primals, cotangents, argnums);
 }
 
 void Swiglu::eval_gpu(const std::vector<mx::array>&, mx::array&) {
