@@ -349,11 +349,43 @@ def test_a_whole_prefill_merges_the_between_round_chunks_and_keeps_their_boundar
     assert small.sizes == [8, 8, 8, 6] and idle_chunk(8) == 8 and idle_chunk(128) == 512
 
 
+def test_a_whole_prefill_merges_only_where_the_blas_keeps_each_chunks_bits(monkeypatch):
+    from specbatch.kernels import cpu, runner
+
+    shapes = ((576, 576), (1536, 576))  # linears that are not swapped: their rows go to the BLAS whole
+    monkeypatch.setattr(cpu, "merged_rows_match", lambda chunk, big, shapes: False)
+    assert runner.idle_chunk(48, shapes) == 48 and runner.idle_chunk(48) == 480
+    monkeypatch.setattr(cpu, "merged_rows_match", lambda chunk, big, shapes: (chunk, big) == (48, 480))
+    assert runner.idle_chunk(48, shapes) == 480 and runner.idle_chunk(40, shapes) == 40
+
+
 @pytest.mark.parametrize("n, k", [(576, 576), (192, 576), (1536, 576), (576, 1536)])
-def test_the_blas_gives_a_row_the_same_bits_in_any_chunk_of_ten_rows_or_more(n, k):
-    # what a whole prefill's merged chunks rely on (idle_chunk): the embedded target's shapes
+def test_the_probe_says_what_every_chunk_of_a_merged_matmul_shows(n, k):
+    # the embedded target's shapes: where the probe lets prefill merge, no chunk's bits move
     import mlx.core as mx
+
+    from specbatch.kernels.cpu import merged_rows_match
     w, x = mx.random.normal((n, k)), mx.random.normal((480, k))
     full = x @ w.T
-    for rows in (10, 48, 200):
-        assert mx.array_equal(x[:rows] @ w.T, full[:rows]).item()
+    same = all(mx.array_equal(x[i:i + 48] @ w.T, full[i:i + 48]).item() for i in range(0, 480, 48))
+    assert merged_rows_match(48, 480, ((n, k),)) == same
+
+
+def test_a_tiny_models_whole_prefill_has_the_bits_of_its_chunks_on_this_blas(tiny):
+    """A whole prefill (merged forwards) leaves the KV and last logits a prefill of one chunk
+    per forward leaves, whatever this BLAS does with a chunk inside a larger matmul."""
+    import mlx.core as mx
+
+    from specbatch.kernels import cpu
+    from specbatch.kernels.runner import ModelRunner, idle_chunk, prefill, prefill_chunk
+    runner = ModelRunner(tiny.model, 40)
+    assert (runner.linear_shapes == ()) == cpu.status().active  # swapped linears keep chunks apart
+    tokens = prompt(203)
+    whole, chunked = runner.make_cache(), runner.make_cache()
+    logits = prefill(runner, tokens, whole)
+    for i in range(0, len(tokens), 40):
+        last = prefill_chunk(runner, tokens[i:i + 40], chunked)
+    assert idle_chunk(40, runner.linear_shapes) == 480 or not cpu.status().active
+    assert mx.array_equal(logits, last).item()
+    assert all(mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :]).item()
+               for a, b in zip(whole, chunked))

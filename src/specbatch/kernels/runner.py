@@ -11,6 +11,7 @@ method of the Protocol (the loops call each of them).
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import mlx.core as mx
@@ -121,6 +122,14 @@ class ModelRunner:
             return self.model.lm_head.weight[ids]
         return self.embed(ids)  # a tied head
 
+    @functools.cached_property
+    def linear_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The distinct ``(out, in)`` shapes of the float linears that send a prefill's rows to
+        the BLAS whole: the swapped ones (``FastLinear``) keep its chunks apart (``row_blocks``)."""
+        return tuple(sorted({tuple(m.weight.shape) for _, m in self.model.named_modules()
+                             if isinstance(m, nn.Linear) and m.weight.dtype == mx.float32
+                             and not getattr(m, "small_m", False)}))
+
     def make_cache(self) -> list:
         from mlx_lm.models.cache import KVCache
         return [KVCache() for _ in range(self.n_layers)]
@@ -185,25 +194,30 @@ def prefill_chunk(runner: TargetRunner, tokens: list[int], cache: list) -> mx.ar
 IDLE_CHUNK = 512  # tokens a whole prefill's forwards take at most (1,440 tokens: 6.1 s against 11.4 s in 48s)
 
 
-def idle_chunk(chunk: int) -> int:
+def idle_chunk(chunk: int, shapes: tuple = ()) -> int:
     """The chunk a whole prefill runs: the largest multiple of ``chunk`` (what chunked prefill
-    between rounds cuts) up to IDLE_CHUNK, so the boundaries stay the same and every full
-    chunk goes through the BLAS matmul either way, whose rows (10 or more of them) came out
-    bitwise the same at every size measured; a chunk within the small-M kernels' rows stays
-    as it is (a larger one would switch a token's linears to the BLAS)."""
-    from .cpu import MAX_ROWS
-    return chunk if chunk <= MAX_ROWS else max(chunk, IDLE_CHUNK // chunk * chunk)
+    between rounds cuts) up to IDLE_CHUNK, so the boundaries stay the same, where this BLAS
+    gives every chunk the same bits inside the larger forward for the linears' ``shapes``
+    (``merged_rows_match``), else ``chunk`` itself; a chunk within the small-M kernels' rows
+    stays as it is (a larger one would switch a token's linears to the BLAS)."""
+    from .cpu import MAX_ROWS, merged_rows_match
+    big = max(chunk, IDLE_CHUNK // chunk * chunk)
+    if chunk <= MAX_ROWS or big == chunk:
+        return chunk
+    return big if not shapes or merged_rows_match(chunk, big, tuple(shapes)) else chunk
 
 
 def prefill(runner: TargetRunner, tokens: list[int], cache: list) -> mx.array:
     """Run ``tokens`` through the model; logits ``[1, V]`` of the last one. The whole chunks of
     ``runner.prefill_chunk`` go in forwards of ``idle_chunk`` tokens, the remainder last on
     its own: the chunks chunked prefill between rounds (``loops/prefill.py``) cuts, merged."""
+    from .cpu import row_blocks
     chunk = runner.prefill_chunk
-    big, whole = idle_chunk(chunk), len(tokens) - len(tokens) % chunk
+    big, whole = idle_chunk(chunk, getattr(runner, "linear_shapes", ())), len(tokens) - len(tokens) % chunk
     logits, i = None, 0
-    while i < len(tokens):
-        n = min(big, whole - i) if i < whole else len(tokens) - i
-        logits = prefill_chunk(runner, tokens[i:i + n], cache)
-        i += n
+    with row_blocks(chunk):
+        while i < len(tokens):
+            n = min(big, whole - i) if i < whole else len(tokens) - i
+            logits = prefill_chunk(runner, tokens[i:i + n], cache)
+            i += n
     return logits
