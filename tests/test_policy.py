@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -148,18 +150,27 @@ def test_acceptance_by_position_from_a_histogram():
     assert acceptance_by_position({}, 3) == []
 
 
-def test_the_shipped_calibration_speculates_alone_and_decodes_wide_batches_plain():
-    """The mtp pair's measured forward table and fitted costs: a short chain alone (k = 1-2
-    beat plain there), plain at 16 rows (plain won from 2); the separate drafter (no cost table: the derived,
-    conservative prior) never pays."""
+@pytest.mark.parametrize("machine", sorted(json.loads(SHIPPED.read_text())))
+def test_the_shipped_calibration_speculates_alone_and_decodes_wide_batches_plain(machine):
+    """Each machine's (ISA's) measured forward table and fitted costs for the mtp pair: a
+    short chain alone (k = 1-2 beat plain there), plain at 16 rows (plain won from 2); the
+    separate drafter, where measured (no cost table: the derived, conservative prior), never pays."""
     from specbatch.runtime.policy import CostModel, Prior
-    table = json.loads(SHIPPED.read_text())
-    pairs = next(iter(table.values()))
+    pairs = json.loads(SHIPPED.read_text())[machine]
     base = pairs["SmolLM2-135M-Instruct.Q4_1.gguf+none"]
     entry = pairs["SmolLM2-135M-Instruct.Q4_1.gguf+mtp"]
     mtp = SpecPolicy(prior=Prior(CostModel.from_json(entry["cost"]), entry["acceptance"]), max_k=4)
     row = RowState(mtp.prior.acceptance)
     assert 1 <= mtp.decide([row]).k <= 2 and mtp.decide([row] * 16) == PLAIN
     assert 1 <= mtp.paying_width() < 8
-    model = SpecPolicy(prior=derive_prior(pairs["SmolLM2-135M-Instruct.Q4_1.gguf+drafter"], base), max_k=4)
-    assert model.paying_width() == 0
+    if "SmolLM2-135M-Instruct.Q4_1.gguf+drafter" in pairs:
+        model = SpecPolicy(prior=derive_prior(pairs["SmolLM2-135M-Instruct.Q4_1.gguf+drafter"], base), max_k=4)
+        assert model.paying_width() == 0
+
+
+def test_a_calibration_is_kept_per_kernel_isa():
+    # a verify's cost by ISA differs enough to change the schedule (AVX-512 k = 2, AVX2 k = 1)
+    from specbatch.kernels import cpu
+    from specbatch.kernels.calibration import machine_key
+    state = cpu.status()
+    assert f"-{state.isa if state.active else 'mlxops'}-" in machine_key()
