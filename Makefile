@@ -59,6 +59,8 @@ clean:
 FUSE = 2,15,29
 FEATS = build/drafters/feats_l2-15-29
 drafters: $(STAMP)
+	# answers generated in earlier sessions (committed: the slow part, ~150 tok/s here) are reused
+	mkdir -p build/drafters/data && cp -n data/drafters/* build/drafters/data/ 2>/dev/null || true
 	$(RUN) scripts/drafter_data.py --minutes 120 --width 48 --capture --fuse-layers $(FUSE)
 	$(RUN) scripts/train_mtp_head.py --extract-only all --fuse-layers $(FUSE) --extract-minutes 60 --text-tokens 300000
 	$(RUN) scripts/train_mtp_head.py --extract-minutes 0 --feats $(FEATS) --out build/drafters/mtp-u1 --vocab 4096 --unroll 1 --batch 8 --minutes 40
