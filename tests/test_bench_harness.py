@@ -32,7 +32,10 @@ def test_kernels_bench_measures_the_bound_and_both_paths(tiny):
     dims = model.args.hidden_size
     assert total >= model.model.embed_tokens.weight.nbytes + dims * dims * 4
     assert kernels.sgemv_probe(model, repeats=1) > 0
-    assert kernels.forward_ms(model, 2, 3, repeats=1) > 0
+    times = kernels.forward_times(model, [(1, 1), (2, 3)], repeats=1)
+    assert set(times) == {(1, 1, True), (1, 1, False), (2, 3, True), (2, 3, False)}
+    assert all(ms > 0 for ms in times.values())
+    assert set(kernels.forward_times(model, [(2, 3)], repeats=1, mlx_ops=False)) == {(2, 3, True)}
 
 
 def test_the_policy_bench_decodes_prompts_calibration_never_saw_at_mixed_temperatures(tiny):

@@ -85,14 +85,16 @@ ROW_WIDTHS = (2, 4, 8, 16)
 def measure_forwards(model, repeats: int = 7, passes: int = 3) -> CostModel:
     """The target's forwards timed directly (over a 128-token context): one row's forward by
     positions, and what each row past the first adds at equal tokens. Each shape is timed
-    in ``passes`` interleaved passes (the least median kept: noise only ever adds time), and
-    the table made non-decreasing from above (a forward of more tokens never costs less)."""
-    from .bench.kernels import forward_ms
+    in ``passes`` passes, every shape in turn within each repeat (the least median kept:
+    noise only ever adds time), and the table made non-decreasing from above (a forward of
+    more tokens never costs less)."""
+    from .bench.kernels import forward_times
     shapes = [(1, n) for n in TABLE_TOKENS] + [(w, 1) for w in ROW_WIDTHS]
     best = {shape: float("inf") for shape in shapes}
     for _ in range(passes):
+        times = forward_times(model, shapes, repeats, mlx_ops=False)
         for rows, positions in shapes:
-            best[rows, positions] = min(best[rows, positions], forward_ms(model, rows, positions, repeats) / 1e3)
+            best[rows, positions] = min(best[rows, positions], times[rows, positions, True] / 1e3)
     seconds = [best[1, n] for n in TABLE_TOKENS]
     for i in range(len(seconds) - 2, -1, -1):
         seconds[i] = min(seconds[i], seconds[i + 1])

@@ -4,14 +4,15 @@ against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
 - the weight-streaming bound: every float32 weight matrix's bytes (the tied head included)
   over the read bandwidth a one-row sgemv probe reaches on a stack of the same shapes;
 - forward of ``rows x positions`` tokens over a 128-token context (decode steps at widths
-  1-16, verifies of 2-16 positions at width 1), kernels on and off, and what each step
-  reaches of the bound;
+  1-16, verifies of 2-16 positions at width 1), kernels on and off, every case in turn
+  within each repeat, and what each step reaches of the bound;
 - time to first token of a ~1,400-token chat prompt: our engine (chunked prefill) against
   mlx-lm's ``stream_generate`` on MLX's ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -22,7 +23,7 @@ from ...kernels import cpu
 from ...runtime.params import SamplingParams
 
 CONTEXT = 128
-SHAPES = [(1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (4, 1), (8, 1), (16, 1), (4, 5)]  # (rows, positions)
+SHAPES = [(1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (1, 16), (4, 1), (8, 1), (16, 1), (4, 5)]  # (rows, positions)
 
 
 def weight_bytes(model) -> int:
@@ -46,20 +47,30 @@ def sgemv_probe(model, repeats: int = 5) -> float:
     return sum(w.nbytes for w in mats) / best / 1e9
 
 
-def forward_ms(model, rows: int, positions: int, repeats: int) -> float:
-    """Median ms of one forward of ``rows x positions`` tokens after CONTEXT tokens of KV."""
+def forward_times(model, shapes: list[tuple[int, int]], repeats: int, mlx_ops: bool = True) -> dict:
+    """Median ms of one forward of ``rows x positions`` tokens after CONTEXT tokens of KV, for
+    each shape with the kernels on (and off, MLX's ops, where ``mlx_ops``), keyed
+    ``(rows, positions, on)``.
+    Every repeat runs each case once in turn, so the ratios between shapes are taken side by
+    side (a noisy VM drifts by 10-30% over the minutes one shape at a time would take)."""
     from mlx_lm.models.cache import make_prompt_cache
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.full((rows, CONTEXT), 100, dtype=mx.int32), cache=cache))
-    step = mx.full((rows, positions), 200, dtype=mx.int32)
-    times = []
-    for i in range(repeats + 2):
-        t0 = time.perf_counter()
-        mx.eval(model(step, cache=cache))
-        times.append(time.perf_counter() - t0)
-        for c in cache:
-            c.trim(positions)
-    return statistics.median(times[2:]) * 1e3
+    cases = [(r, n, on) for r, n in shapes for on in ((True, False) if mlx_ops else (True,))]
+    caches = {}
+    for case in cases:
+        caches[case] = make_prompt_cache(model)
+        mx.eval(model(mx.full((case[0], CONTEXT), 100, dtype=mx.int32), cache=caches[case]))
+    times = {case: [] for case in cases}
+    for _ in range(repeats + 2):
+        for case in cases:
+            rows, positions, on = case
+            step = mx.full((rows, positions), 200, dtype=mx.int32)
+            with contextlib.nullcontext() if on else cpu.disabled():
+                t0 = time.perf_counter()
+                mx.eval(model(step, cache=caches[case]))
+                times[case].append(time.perf_counter() - t0)
+            for c in caches[case]:
+                c.trim(positions)
+    return {case: statistics.median(ts[2:]) * 1e3 for case, ts in times.items()}
 
 
 def ttft_s(ctx, prompt: list[int]) -> dict:
@@ -85,14 +96,11 @@ def suite_kernels(ctx) -> dict:
     probe = sgemv_probe(model)
     bound_ms = total / probe / 1e6
     repeats = max(5, 3 * ctx.repeats)
+    times = forward_times(model, SHAPES, repeats)
+    base_on, base_off = times[(1, 1, True)], times[(1, 1, False)]
     rows = []
-    base_on = base_off = None
     for r, n in SHAPES:
-        on = forward_ms(model, r, n, repeats)
-        with cpu.disabled():
-            off = forward_ms(model, r, n, repeats)
-        if (r, n) == (1, 1):
-            base_on, base_off = on, off
+        on, off = times[(r, n, True)], times[(r, n, False)]
         rows.append({"rows": r, "positions": n, "kernels_ms": on, "mlx_ops_ms": off, "speedup": off / on,
                      "kernels_over_step": on / base_on, "mlx_ops_over_step": off / base_off,
                      "bound_ms": bound_ms, "fraction_of_bound": bound_ms / on})
