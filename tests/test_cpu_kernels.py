@@ -206,6 +206,52 @@ def test_paged_attention_with_a_slot_outside_the_pool_gives_nan_not_a_stray_read
     assert mx.isnan(out).all().item()
 
 
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 3), n=st.integers(1, 5), d=st.sampled_from([1, 8, 64]),
+       seed=st.integers(0, 2**16))
+def test_paged_write_stores_rows_as_the_scatter_does(b, h, n, d, seed):
+    rng = np.random.default_rng(seed)
+    pool_rows = 40
+    pool = mx.array(rng.standard_normal((pool_rows, h * d)), dtype=mx.float32)  # [P, H * D]
+    rows = mx.array(rng.standard_normal((b, h, n, d)), dtype=mx.float32)  # [B, H, N, D]
+    slots = mx.array(rng.permutation(pool_rows)[:b * n], dtype=mx.int32)  # [B * N]
+    expected = mx.array(pool)
+    expected[slots] = rows.transpose(0, 2, 1, 3).reshape(b * n, h * d)
+    assert mx.array_equal(cpu.paged_write(pool, slots, rows), expected).item()
+
+
+@needs_kernels
+def test_paged_write_keeps_a_pool_still_held_and_skips_slots_outside():
+    held = mx.zeros((4, 2))
+    mx.eval(held)
+    rows = mx.ones((1, 1, 2, 2))
+    before = cpu.extension().paged_write_copies()
+    out = cpu.paged_write(held, mx.array([1, 7], dtype=mx.int32), rows)  # slot 7 is past the pool
+    assert out.tolist() == [[0, 0], [1, 1], [0, 0], [0, 0]]
+    assert held.tolist() == [[0, 0]] * 4  # still referenced here: copied, not written in place
+    assert cpu.extension().paged_write_copies() == before + 1
+
+
+@needs_kernels
+def test_a_paged_decode_step_writes_its_pools_in_place(tiny):
+    from mlx_lm.models.cache import KVCache
+
+    from specbatch.kernels.kv import BatchKV
+    from specbatch.kernels.paged_kv import batch_kv
+    model = tiny.model
+    kv = batch_kv(len(model.layers), layout="paged")
+    for prompt in ([5, 6, 7], [8, 9]):
+        single = [KVCache() for _ in model.layers]
+        model(mx.array(prompt)[None], cache=single)
+        kv.extend(BatchKV.from_singles(single))
+    mx.eval(kv.arrays())
+    for _ in range(3):
+        before = cpu.extension().paged_write_copies()
+        mx.eval(model(mx.array([[9], [10]]), cache=kv.layers))
+        assert cpu.extension().paged_write_copies() == before  # every pool donated to its write
+
+
 _TWO_STREAMS = """
 import threading, specbatch, mlx.core as mx
 from specbatch.kernels import cpu

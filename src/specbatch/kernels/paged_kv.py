@@ -21,6 +21,7 @@ import structlog
 from mlx_lm.models.cache import KVCache
 
 from ..runtime.config import DEFAULT_KV_LAYOUT
+from . import cpu
 from .block_table import BLOCK, COMPACT_SLACK, BlockTable, group_size
 from .kv import BatchKV, RaggedKVCache
 
@@ -118,14 +119,28 @@ class PagedLayer(RaggedKVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append ``[B, H, N, D]`` after each row's tokens; return the gathered view."""
+        self.append(keys, values)
+        return self.fetch()
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """Store ``[B, H, N, D]`` after each row's tokens (one in-place kernel op where it
+        applies: an attention that reads the pools then never builds the gathered view)."""
         B, H, N, D = keys.shape
         new = [n + N for n in self._lengths]
         self.table.ensure(new)
         self.pools(keys, values)
         slots = self.table.slots(self._lengths, N)  # [B * N]
-        self.kpool.write(slots, keys.transpose(0, 2, 1, 3).reshape(B * N, H * D))
-        self.vpool.write(slots, values.transpose(0, 2, 1, 3).reshape(B * N, -1))
+        k = None if self.kv_bits else cpu.paged_write(self.kpool.parts[0], slots, keys)
+        v = None if k is None else cpu.paged_write(self.vpool.parts[0], slots, values)
+        if v is not None:
+            self.kpool.parts[0], self.vpool.parts[0] = k, v  # the old pools' last references: donated
+        else:
+            self.kpool.write(slots, keys.transpose(0, 2, 1, 3).reshape(B * N, H * D))
+            self.vpool.write(slots, values.transpose(0, 2, 1, 3).reshape(B * N, -1))
         self.ends = new
+
+    def fetch(self):
+        """The rows' keys and values gathered as ``[B, H, T, D]`` each."""
         return self._view()
 
     def _view(self):

@@ -195,6 +195,17 @@ def paged_attention(queries: mx.array, view, scale: float, mask) -> mx.array | N
     return ext.paged_attention(queries, k_pool, v_pool, slots, scale, kind, mask if kind == "array" else _NO_MASK)
 
 
+def paged_write(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array | None:
+    """The pool ``[P, H * D]`` with ``rows`` ``[B, H, N, D]`` stored at ``slots`` int32
+    ``[B * N]``, as one op writing in place once the caller drops its old pool; None where
+    the kernel does not apply (the caller scatters with MLX's ops: the same bits)."""
+    ext = _active()
+    if (ext is None or rows.ndim != 4 or slots.dtype != mx.int32 or pool.dtype != mx.float32
+            or rows.dtype != mx.float32):
+        return None
+    return ext.paged_write(pool, slots, rows)
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """``mx.fast.rms_norm`` as one kernel op (float32 on the CPU), MLX's op otherwise."""
     ext = _active()

@@ -27,6 +27,20 @@ def attend(queries, keys, values, cache, scale: float, mask):
     return attention(queries, keys, values, scale, mask) if out is None else out
 
 
+def _append_and_attend(q, k, v, cache, scale: float, mask):
+    """Store k, v in ``cache`` and attend over it: a paged cache is written and read in
+    place (its gathered view is never built), any other through ``update_and_fetch``."""
+    if cache is None:
+        return attend(q, k, v, None, scale, mask)
+    if not hasattr(cache, "append") or not hasattr(cache, "paged_view"):
+        k, v = cache.update_and_fetch(k, v)
+        return attend(q, k, v, cache, scale, mask)
+    cache.append(k, v)
+    view = cache.paged_view()
+    out = paged_attention(q, view, scale, mask) if view is not None else None
+    return attention(q, *cache.fetch(), scale, mask) if out is None else out
+
+
 def _linears(*layers) -> list | None:
     """The layers' weights where every one is a swapped float32 linear (``FastLinear``)."""
     return [m.weight for m in layers] if all(getattr(type(m), "small_m", False) for m in layers) else None
@@ -54,9 +68,7 @@ def attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
     biases = [p.bias for p in (self.q_proj, self.k_proj, self.v_proj)] if "bias" in self.q_proj else []
     q, k, v = ext.qkv_rope(x, *weights, biases, positions.astype(mx.int32), base._sb_inv_freq, self.n_heads,
                            self.n_kv_heads, base.dims, base.traditional, base._sb_scale)  # [B, H, L, D] each
-    if cache is not None:
-        k, v = cache.update_and_fetch(k, v)
-    out = attend(q, k, v, cache, self.scale, mask)  # [B, Hq, L, D]
+    out = _append_and_attend(q, k, v, cache, self.scale, mask)  # [B, Hq, L, D]
     B, L, _ = x.shape
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 

@@ -8,6 +8,7 @@
 #include "mlx/version.h"
 #include "noise.h"
 #include "norm.h"
+#include "paged_write.h"
 #include "pool.h"
 #include "projections.h"
 #include "rope.h"
@@ -26,6 +27,9 @@ NB_MODULE(_ext, m) {
   m.def("paged_attention", &specbatch::paged_attention, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
         nb::arg("slots"), nb::arg("scale"), nb::arg("mask_kind"), nb::arg("mask"),
         "attention over pools [P, Hkv * D] read through slots [B, T] (a paged cache, no gather)");
+  m.def("paged_write", &specbatch::paged_write, nb::arg("pool"), nb::arg("slots"), nb::arg("rows"),
+        "the pool [P, H * D] with rows [B, H, N, D] stored at slots [B * N], in place where donated");
+  m.def("paged_write_copies", &specbatch::paged_write_copies, "paged writes so far that copied their pool");
   m.def("rms_norm", &specbatch::rms_norm, nb::arg("x"), nb::arg("w"), nb::arg("eps"),
         "x * rsqrt(mean(x^2) + eps) * w per row (float32, CPU), one op");
   m.def("rope", &specbatch::rope, nb::arg("x"), nb::arg("positions"), nb::arg("inv_freq"), nb::arg("dims"),

@@ -1,0 +1,71 @@
+#include "paged_write.h"
+
+#include <atomic>
+#include <cstring>
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "strided.h"
+
+namespace specbatch {
+
+namespace {
+std::atomic<int64_t> copies{0};
+}  // namespace
+
+int64_t paged_write_copies() { return copies.load(); }
+
+mx::array paged_write(const mx::array& pool, const mx::array& slots, const mx::array& rows) {
+  if (pool.dtype() != mx::float32 || rows.dtype() != mx::float32)
+    throw std::invalid_argument("paged_write: a float32 pool and rows");
+  if (rows.ndim() != 4 || pool.ndim() != 2 || pool.shape(1) != rows.shape(1) * rows.shape(3))
+    throw std::invalid_argument("paged_write: rows [B, H, N, D] into a pool [P, H * D]");
+  if (slots.dtype() != mx::int32 || slots.ndim() != 1 || slots.shape(0) != rows.shape(0) * rows.shape(2))
+    throw std::invalid_argument("paged_write: slots int32 [B * N]");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(pool.shape(), mx::float32, std::make_shared<PagedWrite>(s), {pool, slots, rows});
+}
+
+void PagedWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& pool = inputs[0];
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  // The cache replaced its reference by out, so the pool is usually held by this op alone.
+  const bool donated = pool.is_donatable() && pool.flags().row_contiguous;
+  if (donated) {
+    out.copy_shared_buffer(pool);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    copies.fetch_add(1);
+  }
+  encoder.set_output_array(out);
+  const auto& rows = inputs[2];
+  const int B = rows.shape(0), H = rows.shape(1), N = rows.shape(2), D = rows.shape(3);
+  const int64_t P = out.shape(0);
+  // inputs are ready only inside the task (eval_cpu runs before the ops it depends on have)
+  encoder.dispatch([pool = donated ? mx::array(0.0f) : pool, donated, slots = inputs[1], rows,
+                    y = out.data<float>(), B, H, N, D, P]() {
+    if (!donated) {
+      std::vector<float> copy;
+      std::memcpy(y, row_major(pool, copy), pool.nbytes());
+    }
+    std::vector<int32_t> sc;
+    std::vector<float> xc;
+    const int32_t* sp = row_major(slots, sc);
+    const float* x = row_major(rows, xc);  // [B, H, N, D]
+    for (int b = 0; b < B; ++b)
+      for (int n = 0; n < N; ++n) {
+        const int64_t slot = sp[b * N + n];
+        if (slot < 0 || slot >= P) continue;
+        for (int h = 0; h < H; ++h)
+          std::memcpy(y + slot * H * D + h * D, x + ((static_cast<int64_t>(b) * H + h) * N + n) * D, D * sizeof(float));
+      }
+  });
+}
+
+void PagedWrite::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("SpecbatchPagedWrite runs on the CPU only");
+}
+
+}  // namespace specbatch

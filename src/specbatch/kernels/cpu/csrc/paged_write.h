@@ -1,0 +1,34 @@
+// Appending a forward's keys (or values) to a paged cache's pool as one primitive that
+// writes in place: MLX's `pool[slots] = rows` after the head-layout transpose cost ~4 graph
+// nodes a pool a layer (a copy, index broadcasts, a scatter), +2 ms a width-1 step.
+#pragma once
+
+#include <cstdint>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+
+namespace specbatch {
+
+namespace mx = mlx::core;
+
+// pool [P, H * D] float32; slots int32 [B * N] (token n of row b at slots[b * N + n]); rows
+// [B, H, N, D] float32 (the head layout attention takes) -> the pool with those rows stored.
+// A pool whose buffer nothing else holds is written in place (donated), else copied first;
+// one op per pool, since an input shared by a primitive's sibling outputs is never donatable.
+// A slot outside [0, P) is not written.
+mx::array paged_write(const mx::array& pool, const mx::array& slots, const mx::array& rows);
+
+// How many writes so far had to copy their pool (a held reference kept it from donation).
+int64_t paged_write_copies();
+
+class PagedWrite : public mx::UnaryPrimitive {
+ public:
+  explicit PagedWrite(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override { return "SpecbatchPagedWrite"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+}  // namespace specbatch
