@@ -1,4 +1,4 @@
-"""The CPU kernels' RMSNorm and RoPE against MLX's own ops, and the layers swapped for them."""
+"""The CPU kernels' RMSNorm (with the residual add before it) and RoPE against MLX's own ops, and the layers swapped for them."""
 
 from __future__ import annotations
 
@@ -44,6 +44,36 @@ def test_rms_norm_rows_are_independent_strided_and_differentiable():
     theirs = mx.grad(lambda x, w: (mx.fast.rms_norm(x, w, 1e-5) ** 3).sum(), argnums=(0, 1))(x, w)
     for a, b in zip(ours, theirs):
         _near(a, b, 1e-4)
+
+
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), d=st.integers(1, 600), seed=st.integers(0, 2**16))
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(rows, d, seed):
+    x = mx.random.normal((rows, d), key=mx.random.key(seed))
+    r = mx.random.normal((rows, d), key=mx.random.key(seed + 1))
+    w = mx.random.normal((d,), key=mx.random.key(seed + 2))
+    h, normed = cpu.add_rms_norm(x, r, w, 1e-5)
+    assert mx.array_equal(h, x + r).item()
+    assert mx.array_equal(normed, cpu.rms_norm(x + r, w, 1e-5)).item()
+
+
+@needs_kernels
+def test_add_rms_norm_is_differentiable_and_declines_what_it_does_not_take():
+    x, r = mx.random.normal((3, 64)), mx.random.normal((3, 64))
+    w = mx.random.normal((64,))
+
+    def loss(f):
+        def of(x, r, w):
+            h, n = f(x, r, w)
+            return (h * n).sum() + (n ** 3).sum()
+        return of
+    ours = mx.grad(loss(lambda x, r, w: cpu.add_rms_norm(x, r, w, 1e-5)), argnums=(0, 1, 2))(x, r, w)
+    theirs = mx.grad(loss(lambda x, r, w: (x + r, mx.fast.rms_norm(x + r, w, 1e-5))), argnums=(0, 1, 2))(x, r, w)
+    for a, b in zip(ours, theirs):
+        _near(a, b, 1e-4)
+    assert cpu.add_rms_norm(x, r[:2], w, 1e-5) is None  # shapes differ: the caller adds itself
+    assert cpu.add_rms_norm(x.astype(mx.float16), r, w, 1e-5) is None
 
 
 @needs_kernels

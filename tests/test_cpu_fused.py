@@ -82,12 +82,14 @@ def test_a_swapped_llama_decodes_the_same_bits_fused_or_not(tiny, monkeypatch):
         model(prompt, cache=cache)
         return model(step, cache=cache)
     assert type(model.layers[0].self_attn).__name__.startswith("Fast")
+    assert type(model.layers[0]).__name__.startswith("Fast")  # the block: its add and norm fused
     calls = []
     original = fused.attention_call
     monkeypatch.setattr(fused, "attention_call", lambda *a, **k: calls.append(1) or original(*a, **k))
     with_fusion = run()
     assert calls  # the fused path ran
     monkeypatch.setattr(fused, "attention_call", lambda *a, **k: None)
+    monkeypatch.setattr(fused, "block_call", lambda *a, **k: None)  # the add and the norm apart
     # the separate kernels: two small linears, then the same activation kernel
     monkeypatch.setattr(fused, "mlp_call", lambda self, x: self.down_proj(cpu.swiglu(self.gate_proj(x), self.up_proj(x))))
     assert mx.array_equal(run(), with_fusion).item()

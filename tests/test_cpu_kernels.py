@@ -207,6 +207,24 @@ def test_paged_attention_with_a_slot_outside_the_pool_gives_nan_not_a_stray_read
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["", "causal", "additive"])
+def test_attention_writes_heads_merged_as_the_transpose_would(kind):
+    rng = np.random.default_rng(3)
+    q = mx.array(rng.standard_normal((2, 6, 5, 16)), dtype=mx.float32)  # [B, Hq, L, D]
+    k, v = (mx.array(rng.standard_normal((2, 2, 9, 16)), dtype=mx.float32) for _ in range(2))  # [B, Hkv, T, D]
+    mask = {"": None, "causal": "causal", "additive": mx.zeros((1, 1, 5, 9))}[kind]  # additive: MLX's op
+    split = cpu.attention(q, k, v, 0.25, mask)  # [B, Hq, L, D]
+    merged = cpu.attention(q, k, v, 0.25, mask, merge_heads=True)  # [B, L, Hq * D]
+    assert merged.shape == (2, 5, 96)
+    assert mx.array_equal(merged, split.transpose(0, 2, 1, 3).reshape(2, 5, 96)).item()
+    if kind != "additive":
+        pools = [x.transpose(0, 2, 1, 3).reshape(18, 32) for x in (k, v)]  # [B * T, Hkv * D]
+        slots = mx.arange(18, dtype=mx.int32).reshape(2, 9)
+        paged = cpu.paged_attention(q, (*pools, slots), 0.25, mask, merge_heads=True)
+        assert mx.array_equal(paged, merged).item()
+
+
+@needs_kernels
 @settings(max_examples=30, deadline=None)
 @given(b=st.integers(1, 3), h=st.integers(1, 3), n=st.integers(1, 5), d=st.sampled_from([1, 8, 64]),
        seed=st.integers(0, 2**16))

@@ -159,27 +159,36 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
     return ext.small_linear(x, weight)
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+def _merged(out: mx.array) -> mx.array:
+    """[B, Hq, L, D] -> [B, L, Hq * D]."""
+    B, H, L, D = out.shape
+    return out.transpose(0, 2, 1, 3).reshape(B, L, H * D)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
+              merge_heads: bool = False) -> mx.array:
     """softmax(queries keys^T * scale) values: ``queries`` [B, Hq, L, D], ``keys``/``values``
     [B, Hkv, T, D]; ``mask`` None, ``"causal"`` or a bool array [B or 1, 1, L, T]. The kernel
     where it applies, ``mx.fast.scaled_dot_product_attention`` otherwise (additive masks,
-    other dtypes, other devices)."""
+    other dtypes, other devices). ``merge_heads``: [B, L, Hq * D] out (the output
+    projection's input, written so by the kernel), else [B, Hq, L, D]."""
     ext = _active()
     kind = "" if mask is None else mask if isinstance(mask, str) else "array"
     usable = (ext is not None and queries.dtype == keys.dtype == values.dtype == mx.float32
               and queries.ndim == 4 and queries.shape[-1] <= 256 and kind in ("", "causal", "array")
               and (kind != "array" or (mask.dtype == mx.bool_ and mask.ndim == 4 and mask.shape[1] == 1)))
     if not usable:
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return _merged(out) if merge_heads else out
     if kind == "array" and mask.shape[2:] != (queries.shape[2], keys.shape[2]):
         mask = mx.broadcast_to(mask, (mask.shape[0], 1, queries.shape[2], keys.shape[2]))
-    return ext.attention(queries, keys, values, scale, kind, mask if kind == "array" else _NO_MASK)
+    return ext.attention(queries, keys, values, scale, kind, mask if kind == "array" else _NO_MASK, merge_heads)
 
 
 _NO_MASK = mx.array(False)
 
 
-def paged_attention(queries: mx.array, view, scale: float, mask) -> mx.array | None:
+def paged_attention(queries: mx.array, view, scale: float, mask, merge_heads: bool = False) -> mx.array | None:
     """:func:`attention` over a paged cache read in place: ``view`` is (key pool, value pool
     ``[P, Hkv * D]``, slots int32 ``[B, T]``). None where the kernel does not apply (the
     caller attends over the gathered view instead)."""
@@ -192,7 +201,8 @@ def paged_attention(queries: mx.array, view, scale: float, mask) -> mx.array | N
         return None
     if kind == "array" and mask.shape[2:] != (queries.shape[2], slots.shape[1]):
         mask = mx.broadcast_to(mask, (mask.shape[0], 1, queries.shape[2], slots.shape[1]))
-    return ext.paged_attention(queries, k_pool, v_pool, slots, scale, kind, mask if kind == "array" else _NO_MASK)
+    return ext.paged_attention(queries, k_pool, v_pool, slots, scale, kind, mask if kind == "array" else _NO_MASK,
+                               merge_heads)
 
 
 def paged_write(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array | None:
@@ -212,6 +222,17 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or x.ndim < 1:
         return mx.fast.rms_norm(x, weight, eps)
     return ext.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: mx.array, r: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array] | None:
+    """``(h, rms_norm(h))`` for ``h = x + r`` as one kernel op (float32 on the CPU), each
+    bitwise what the add and :func:`rms_norm` give apart; None where it does not apply."""
+    ext = _active()
+    if (ext is None or x.shape != r.shape or x.ndim < 1 or weight.ndim != 1
+            or any(a.dtype != mx.float32 for a in (x, r, weight))):
+        return None
+    h, normed = ext.add_rms_norm(x, r, weight, eps)
+    return h, normed
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -254,6 +275,8 @@ def rope_positions(offset) -> mx.array:
     int32 ``[1]`` / ``[B]`` positions of each row's first token."""
     if isinstance(offset, int):
         return mx.array([offset], dtype=mx.int32)
+    if offset.ndim == 1 and offset.dtype == mx.int32:
+        return offset  # a ragged cache's [B] as it is: a reshape would be one more op per layer
     return offset.reshape(-1).astype(mx.int32)
 
 

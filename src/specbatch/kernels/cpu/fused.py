@@ -1,20 +1,23 @@
-"""The llama-family attention and MLP calls on the fused projections (decode and verify rows).
+"""The llama-family attention, MLP and block calls on fused ops (decode and verify rows).
 
 mlx-lm's llama / qwen2 ``Attention`` runs three linears, three reshapes and transposes and
 two RoPEs before its cache update (11 graph nodes a layer); here ``qkv_rope`` is one op that
-writes q, k (rotated) and v in the head layout. Its ``MLP`` runs two linears where
-``gate_up`` is one. Per element both give the bits the separate kernels give, so the layer's
-output is the same. The MLP's activation is the kernels' ``swiglu`` at every width (prefill
-chunks too), so a row's bits never depend on which path its forward took. Anything else (more rows than the small-M kernels take, other dtypes,
-sharded or quantized projections, a RoPE variant without the kernel, a quantized cache,
-per-head norms) takes the module's own call: these return None there.
+writes q, k (rotated) and v in the head layout, and attention writes its heads merged
+(``[B, L, Hq * D]``, the output projection's input). Its ``MLP`` runs two linears where
+``gate_up`` is one; the block's residual add after attention and the norm after it are one
+op. Per element each gives the bits the separate kernels give, so the layer's output is the
+same. The MLP's activation is the kernels' ``swiglu`` at every width (prefill chunks too),
+so a row's bits never depend on which path its forward took. Anything else (more rows than
+the small-M kernels take, other dtypes, sharded or quantized projections, a RoPE variant
+without the kernel, a quantized cache, per-head norms) takes the module's own call: these
+return None there.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from . import MAX_ROWS, _active, attention, paged_attention, rope_positions, rows_of, swiglu
+from . import MAX_ROWS, _active, add_rms_norm, attention, paged_attention, rope_positions, rows_of, swiglu
 
 MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")  # classes whose calls are copied here
 
@@ -28,17 +31,18 @@ def attend(queries, keys, values, cache, scale: float, mask):
 
 
 def _append_and_attend(q, k, v, cache, scale: float, mask):
-    """Store k, v in ``cache`` and attend over it: a paged cache is written and read in
-    place (its gathered view is never built), any other through ``update_and_fetch``."""
+    """Store k, v in ``cache`` and attend over it, heads merged ``[B, L, Hq * D]``: a paged
+    cache is written and read in place (its gathered view is never built), any other
+    through ``update_and_fetch``."""
     if cache is None:
-        return attend(q, k, v, None, scale, mask)
+        return attention(q, k, v, scale, mask, merge_heads=True)
     if not hasattr(cache, "append") or not hasattr(cache, "paged_view"):
         k, v = cache.update_and_fetch(k, v)
-        return attend(q, k, v, cache, scale, mask)
+        return attention(q, k, v, scale, mask, merge_heads=True)
     cache.append(k, v)
     view = cache.paged_view()
-    out = paged_attention(q, view, scale, mask) if view is not None else None
-    return attention(q, *cache.fetch(), scale, mask) if out is None else out
+    out = paged_attention(q, view, scale, mask, merge_heads=True) if view is not None else None
+    return attention(q, *cache.fetch(), scale, mask, merge_heads=True) if out is None else out
 
 
 def _linears(*layers) -> list | None:
@@ -68,9 +72,7 @@ def attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
     biases = [p.bias for p in (self.q_proj, self.k_proj, self.v_proj)] if "bias" in self.q_proj else []
     q, k, v = ext.qkv_rope(x, *weights, biases, positions.astype(mx.int32), base._sb_inv_freq, self.n_heads,
                            self.n_kv_heads, base.dims, base.traditional, base._sb_scale)  # [B, H, L, D] each
-    out = _append_and_attend(q, k, v, cache, self.scale, mask)  # [B, Hq, L, D]
-    B, L, _ = x.shape
-    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    return self.o_proj(_append_and_attend(q, k, v, cache, self.scale, mask))  # attention out [B, L, Hq * D]
 
 
 def mlp_call(self, x: mx.array) -> mx.array | None:
@@ -86,3 +88,18 @@ def mlp_call(self, x: mx.array) -> mx.array | None:
     else:
         gate, up = ext.gate_up(x, *weights)
     return self.down_proj(swiglu(gate, up))
+
+
+def block_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
+    """mlx-lm's llama ``TransformerBlock.__call__`` with the residual add after attention and
+    the norm after it as one op (``add_rms_norm``); None where the norm is not the kernel's."""
+    post = self.post_attention_layernorm
+    if not getattr(type(post), "_sb_norm", False):
+        return None
+    r = self.self_attn(self.input_layernorm(x), mask, cache)
+    fused = add_rms_norm(x, r, post.weight, post.eps)
+    if fused is None:
+        h = x + r
+        return h + self.mlp(post(h))
+    h, normed = fused
+    return h + self.mlp(normed)

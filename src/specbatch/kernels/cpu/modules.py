@@ -1,8 +1,9 @@
 """Swapping a loaded model's float32 linears (and a tied output head) for modules that
 call :func:`specbatch.kernels.cpu.linear`, its attention layers for ones whose attention is
-:func:`specbatch.kernels.cpu.attention`, and its RMSNorm and RoPE layers for ones that run
-one kernel op each; the parameters stay the same arrays, so checkpoints, dtype changes and
-the drafters' shared heads see no difference.
+:func:`specbatch.kernels.cpu.attention`, its RMSNorm and RoPE layers for ones that run
+one kernel op each, and (llama / qwen2) its decoder blocks for ones whose residual add after
+attention is one op with the norm after it; the parameters stay the same arrays, so
+checkpoints, dtype changes and the drafters' shared heads see no difference.
 
 mlx-lm's attention layers call their module's ``scaled_dot_product_attention``; that name is
 wrapped once per model module, and the wrapper takes the kernel only while a swapped layer
@@ -105,12 +106,22 @@ def _mlp_methods(cls: type) -> dict:
     return {"__call__": __call__}
 
 
+def _block_methods(cls: type) -> dict:
+    def __call__(self, x, mask=None, cache=None):
+        out = fused.block_call(self, x, mask, cache)
+        return cls.__call__(self, x, mask, cache) if out is None else out
+    return {"__call__": __call__}
+
+
 def _swap_attention(module: nn.Module) -> bool:
     cls = type(module)
     if cls in _fast_classes.values():
         return False
     if cls.__name__ == "MLP" and cls.__module__ in fused.MODULES:
         module.__class__ = _fast_class(cls, _mlp_methods(cls))
+        return True
+    if cls.__name__ == "TransformerBlock" and cls.__module__ in fused.MODULES:
+        module.__class__ = _fast_class(cls, _block_methods(cls))
         return True
     if cls.__name__ != "Attention" or not _wrap_sdpa(cls.__module__):
         return False
@@ -145,7 +156,8 @@ def _rope_methods(cls: type) -> dict:
 def _swap_norm_or_rope(module: nn.Module) -> bool:
     cls = type(module)
     if cls is nn.RMSNorm and module.weight.dtype == mx.float32:
-        module.__class__ = _fast_class(cls, {"__call__": lambda self, x: rms_norm(x, self.weight, self.eps)})
+        module.__class__ = _fast_class(cls, {"__call__": lambda self, x: rms_norm(x, self.weight, self.eps),
+                                             "_sb_norm": True})  # a block may fuse the add before it
         return True
     freqs = _rope_inv_freq(module) if cls not in _fast_classes.values() else None
     if freqs is None:

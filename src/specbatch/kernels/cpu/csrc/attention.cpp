@@ -14,8 +14,15 @@
 
 namespace specbatch {
 
+namespace {
+mx::Shape out_shape(const mx::array& q, bool merge_heads) {
+  if (!merge_heads) return q.shape();
+  return {q.shape(0), q.shape(2), q.shape(1) * q.shape(3)};
+}
+}  // namespace
+
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    const std::string& mask_kind, const mx::array& mask) {
+                    const std::string& mask_kind, const mx::array& mask, bool merge_heads) {
   for (const auto* a : {&q, &k, &v})
     if (a->dtype() != mx::float32 || a->ndim() != 4) throw std::invalid_argument("attention: float32 [B, H, N, D] inputs");
   const int Hq = q.shape(1), Hkv = k.shape(1), D = q.shape(3);
@@ -34,11 +41,13 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   } else if (!mask_kind.empty() && mask_kind != "causal") {
     throw std::invalid_argument("attention: mask is '', 'causal' or 'array'");
   }
-  return mx::array(q.shape(), mx::float32, std::make_shared<Attention>(s, scale, mask_kind == "causal"), inputs);
+  return mx::array(out_shape(q, merge_heads), mx::float32,
+                   std::make_shared<Attention>(s, scale, mask_kind == "causal", false, merge_heads), inputs);
 }
 
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
-                          const mx::array& slots, float scale, const std::string& mask_kind, const mx::array& mask) {
+                          const mx::array& slots, float scale, const std::string& mask_kind, const mx::array& mask,
+                          bool merge_heads) {
   if (q.dtype() != mx::float32 || q.ndim() != 4 || k_pool.dtype() != mx::float32 || v_pool.dtype() != mx::float32)
     throw std::invalid_argument("paged_attention: float32 q [B, Hq, L, D] and pools");
   const int Hq = q.shape(1), D = q.shape(3);
@@ -61,7 +70,8 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
   } else if (!mask_kind.empty() && mask_kind != "causal") {
     throw std::invalid_argument("paged_attention: mask is '', 'causal' or 'array'");
   }
-  return mx::array(q.shape(), mx::float32, std::make_shared<Attention>(s, scale, mask_kind == "causal", true), inputs);
+  return mx::array(out_shape(q, merge_heads), mx::float32,
+                   std::make_shared<Attention>(s, scale, mask_kind == "causal", true, merge_heads), inputs);
 }
 
 namespace {
@@ -101,6 +111,9 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   a.B = q.shape(0), a.Hq = q.shape(1), a.L = q.shape(2), a.D = q.shape(3);
   a.scale = scale_, a.causal = causal_;
   a.out = out.data<float>();
+  a.os[0] = static_cast<int64_t>(a.Hq) * a.L * a.D;
+  a.os[1] = merged_ ? a.D : static_cast<int64_t>(a.L) * a.D;
+  a.os[2] = merged_ ? static_cast<int64_t>(a.Hq) * a.D : a.D;
   const size_t mask_at = paged_ ? 4 : 3;
   if (paged_) {
     const auto& slots = inputs[3];
@@ -117,7 +130,11 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   }
   const int64_t pool_rows = paged_ ? k.shape(0) : 0;
   const mx::array slots = paged_ ? inputs[3] : mx::array(0);
-  encoder.dispatch([a, q = inputs[0], k = inputs[1], v = inputs[2], slots, pool_rows, paged = paged_]() mutable {
+  // weak copies, as MLX's own ops take: MLX keeps the buffers alive until the task has run, and a
+  // held reference would keep a paged cache's pool from being donated to the next step's write
+  encoder.dispatch([a, q = mx::array::unsafe_weak_copy(inputs[0]), k = mx::array::unsafe_weak_copy(inputs[1]),
+                    v = mx::array::unsafe_weak_copy(inputs[2]), slots = paged_ ? mx::array::unsafe_weak_copy(slots) : slots,
+                    pool_rows, paged = paged_]() mutable {
     std::vector<float> qc, kc, vc;
     std::vector<int32_t> sc;
     a.q = rows_of(q, qc, a.qs);

@@ -18,6 +18,7 @@ struct AttentionArgs {
   const int32_t* slots; int64_t slot_stride;
   int B, Hq, Hkv, L, T, D;
   int64_t qs[3], ks[3], vs[3], ms[3];  // [batch, head, row] strides; ms: [batch, query, key]
+  int64_t os[3];  // the output's [batch, head, row] strides: [B, Hq, L, D] or merged [B, L, Hq * D]
   float scale;
   bool causal;  // query i sees keys j <= T - L + i
 };
@@ -36,32 +37,35 @@ void attention_avx2(const AttentionArgs& a, int64_t task);
 void attention_avx512(const AttentionArgs& a, int64_t task);
 
 // q [B, Hq, L, D], k and v [B, Hkv, T, D] (any strides but D's), mask: "" / "causal" /
-// "array" (bool [B or 1, 1, L, T] as the fourth input) -> [B, Hq, L, D].
+// "array" (bool [B or 1, 1, L, T] as the fourth input) -> [B, Hq, L, D], or with merge_heads
+// [B, L, Hq * D] (what the output projection takes: no transpose and copy after it).
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    const std::string& mask_kind, const mx::array& mask);
+                    const std::string& mask_kind, const mx::array& mask, bool merge_heads = false);
 
 // The same over a paged cache: k_pool and v_pool [P, Hkv * D] (one row per token slot),
 // slots int32 [B, T]: row b's key j is pool row slots[b, j] (columns past a row's length
 // point at any valid slot and are masked).
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
-                          const mx::array& slots, float scale, const std::string& mask_kind, const mx::array& mask);
+                          const mx::array& slots, float scale, const std::string& mask_kind, const mx::array& mask,
+                          bool merge_heads = false);
 
 class Attention : public mx::UnaryPrimitive {
  public:
-  Attention(mx::Stream stream, float scale, bool causal, bool paged = false)
-      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal), paged_(paged) {}
+  Attention(mx::Stream stream, float scale, bool causal, bool paged, bool merged)
+      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal), paged_(paged), merged_(merged) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "SpecbatchAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_ && paged_ == o.paged_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && paged_ == o.paged_ && merged_ == o.merged_;
   }
 
  private:
   float scale_;
   bool causal_;
   bool paged_;  // inputs q, k_pool, v_pool, slots[, mask]
+  bool merged_;  // output [B, L, Hq * D]
 };
 
 }  // namespace specbatch

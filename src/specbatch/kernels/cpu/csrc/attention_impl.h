@@ -187,7 +187,7 @@ void block(const AttentionArgs& a, int b, int hk, int i0, int n, Scratch& w) {
   weigh_values(w.s.data(), stride, rows, v, seen, D, w.acc.data());
   for (int r = 0; r < rows; ++r) {
     const int g = r / n, i = r % n;
-    float* out = a.out + ((static_cast<int64_t>(b) * a.Hq + hk * G + g) * a.L + i0 + i) * D;
+    float* out = a.out + b * a.os[0] + (hk * G + g) * a.os[1] + (i0 + i) * a.os[2];
     for (int d = 0; d < D; ++d) out[d] = w.acc[r * D + d] * w.inv[r];
   }
 }

@@ -22,14 +22,16 @@ NB_MODULE(_ext, m) {
   m.def("small_linear", &specbatch::small_linear, nb::arg("x"), nb::arg("w"),
         "y = x @ w.T for up to 32 rows of x (float32, CPU), weights read once for all rows");
   m.def("attention", &specbatch::attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
-        nb::arg("mask_kind"), nb::arg("mask"),
+        nb::arg("mask_kind"), nb::arg("mask"), nb::arg("merge_heads") = false,
         "softmax(q k^T * scale) v over a strided KV; mask_kind '', 'causal' or 'array' (bool mask)");
   m.def("paged_attention", &specbatch::paged_attention, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
-        nb::arg("slots"), nb::arg("scale"), nb::arg("mask_kind"), nb::arg("mask"),
+        nb::arg("slots"), nb::arg("scale"), nb::arg("mask_kind"), nb::arg("mask"), nb::arg("merge_heads") = false,
         "attention over pools [P, Hkv * D] read through slots [B, T] (a paged cache, no gather)");
   m.def("paged_write", &specbatch::paged_write, nb::arg("pool"), nb::arg("slots"), nb::arg("rows"),
         "the pool [P, H * D] with rows [B, H, N, D] stored at slots [B * N], in place where donated");
   m.def("paged_write_copies", &specbatch::paged_write_copies, "paged writes so far that copied their pool");
+  m.def("add_rms_norm", &specbatch::add_rms_norm, nb::arg("x"), nb::arg("r"), nb::arg("w"), nb::arg("eps"),
+        "(x + r, rms_norm(x + r, w, eps)) in one op: a residual add and the norm after it");
   m.def("rms_norm", &specbatch::rms_norm, nb::arg("x"), nb::arg("w"), nb::arg("eps"),
         "x * rsqrt(mean(x^2) + eps) * w per row (float32, CPU), one op");
   m.def("rope", &specbatch::rope, nb::arg("x"), nb::arg("positions"), nb::arg("inv_freq"), nb::arg("dims"),

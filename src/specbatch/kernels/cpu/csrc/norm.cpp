@@ -70,6 +70,54 @@ std::vector<mx::array> RMSNorm::vjp(const std::vector<mx::array>& primals, const
   return vjp_through(f, primals, cotangents, argnums);
 }
 
+std::vector<mx::array> add_rms_norm(const mx::array& x, const mx::array& r, const mx::array& w, float eps) {
+  if (x.dtype() != mx::float32 || r.dtype() != mx::float32 || w.dtype() != mx::float32)
+    throw std::invalid_argument("add_rms_norm: float32 inputs only");
+  if (x.shape() != r.shape() || x.ndim() < 1 || w.ndim() != 1 || x.shape(-1) != w.shape(0))
+    throw std::invalid_argument("add_rms_norm: x and r [..., D] alike, w [D]");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array::make_arrays({x.shape(), x.shape()}, {mx::float32, mx::float32},
+                                std::make_shared<AddRMSNorm>(s, eps), {x, r, w});
+}
+
+void AddRMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+  }
+  const int D = inputs[2].shape(0);
+  const int64_t rows = D == 0 ? 0 : static_cast<int64_t>(inputs[0].size() / D);
+  encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), r = mx::array::unsafe_weak_copy(inputs[1]),
+                    w = mx::array::unsafe_weak_copy(inputs[2]), hp = outputs[0].data<float>(),
+                    yp = outputs[1].data<float>(), rows, D, eps = eps_]() {
+    std::vector<float> xc, rc, wc;
+    const float* xp = row_major(x, xc);
+    const float* rp = row_major(r, rc);
+    const float* wp = row_major(w, wc);
+    auto body = [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * D; i < r1 * D; ++i) hp[i] = xp[i] + rp[i];
+      for (int64_t row = r0; row < r1; ++row) norm_row(hp + row * D, wp, yp + row * D, D, eps);
+    };
+    pool().split(rows, D, 1 << 16, body);
+  });
+}
+
+std::vector<mx::array> AddRMSNorm::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                                       const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  const float eps = eps_;
+  auto f = [eps](const std::vector<mx::array>& in) {
+    auto h = mx::add(in[0], in[1]);
+    return std::vector<mx::array>{h, mx::fast::rms_norm(h, in[2], eps)};
+  };
+  return vjp_through(f, primals, cotangents, argnums);
+}
+
+void AddRMSNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("SpecbatchAddRMSNorm runs on the CPU only");
+}
+
 void RMSNorm::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("SpecbatchRMSNorm runs on the CPU only");
 }
