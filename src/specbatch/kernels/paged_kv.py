@@ -59,6 +59,17 @@ class Pool:
         for p, v in zip(self.parts, parts):
             p[slots] = v
 
+    def write_heads(self, slots: mx.array, x: mx.array) -> None:
+        """Store a forward's tokens ``x`` ``[B, H, N, D]`` at ``slots`` ``[B * N]``: one
+        in-place kernel op where it applies (this pool's reference is the old array's last,
+        so its buffer is donated), else transposed to ``[B * N, F]`` and scattered."""
+        written = None if self.bits else cpu.paged_write(self.parts[0], slots, x)
+        if written is not None:
+            self.parts[0] = written
+            return
+        B, H, N, D = x.shape
+        self.write(slots, x.transpose(0, 2, 1, 3).reshape(B * N, H * D))
+
     def read(self, index: mx.array | int, lengths: list[int]) -> mx.array:
         """The rows' tokens as ``[B, H, T, D]`` (index: slots ``[B, T]`` or a first slot)."""
         T = max(lengths)
@@ -123,20 +134,15 @@ class PagedLayer(RaggedKVCache):
         return self.fetch()
 
     def append(self, keys: mx.array, values: mx.array) -> None:
-        """Store ``[B, H, N, D]`` after each row's tokens (one in-place kernel op where it
-        applies: an attention that reads the pools then never builds the gathered view)."""
-        B, H, N, D = keys.shape
+        """Store ``[B, H, N, D]`` after each row's tokens (an attention that reads the pools
+        in place then never builds the gathered view)."""
+        N = keys.shape[2]
         new = [n + N for n in self._lengths]
         self.table.ensure(new)
         self.pools(keys, values)
         slots = self.table.slots(self._lengths, N)  # [B * N]
-        k = None if self.kv_bits else cpu.paged_write(self.kpool.parts[0], slots, keys)
-        v = None if k is None else cpu.paged_write(self.vpool.parts[0], slots, values)
-        if v is not None:
-            self.kpool.parts[0], self.vpool.parts[0] = k, v  # the old pools' last references: donated
-        else:
-            self.kpool.write(slots, keys.transpose(0, 2, 1, 3).reshape(B * N, H * D))
-            self.vpool.write(slots, values.transpose(0, 2, 1, 3).reshape(B * N, -1))
+        self.kpool.write_heads(slots, keys)
+        self.vpool.write_heads(slots, values)
         self.ends = new
 
     def fetch(self):

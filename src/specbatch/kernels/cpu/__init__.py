@@ -231,8 +231,7 @@ def add_rms_norm(x: mx.array, r: mx.array, weight: mx.array, eps: float) -> tupl
     if (ext is None or x.shape != r.shape or x.ndim < 1 or weight.ndim != 1
             or any(a.dtype != mx.float32 for a in (x, r, weight))):
         return None
-    h, normed = ext.add_rms_norm(x, r, weight, eps)
-    return h, normed
+    return tuple(ext.add_rms_norm(x, r, weight, eps))
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:

@@ -22,27 +22,29 @@ from . import MAX_ROWS, _active, add_rms_norm, attention, paged_attention, rope_
 MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")  # classes whose calls are copied here
 
 
-def attend(queries, keys, values, cache, scale: float, mask):
-    """Attention over ``cache`` (read in place where it is paged) with the CPU kernel."""
-    paged = getattr(cache, "paged_view", None)  # a paged cache read in place: its gather never runs
+def attend(queries, keys, values, cache, scale: float, mask, merge_heads: bool = False):
+    """Attention over ``cache`` with the CPU kernel: a paged one is read in place (its
+    gathered view, ``keys``/``values`` here or ``cache.fetch()`` where they are None, only
+    where the kernel does not apply)."""
+    paged = getattr(cache, "paged_view", None)
     view = paged() if paged is not None else None
-    out = paged_attention(queries, view, scale, mask) if view is not None else None
-    return attention(queries, keys, values, scale, mask) if out is None else out
+    out = paged_attention(queries, view, scale, mask, merge_heads) if view is not None else None
+    if out is not None:
+        return out
+    if keys is None:
+        keys, values = cache.fetch()
+    return attention(queries, keys, values, scale, mask, merge_heads)
 
 
 def _append_and_attend(q, k, v, cache, scale: float, mask):
-    """Store k, v in ``cache`` and attend over it, heads merged ``[B, L, Hq * D]``: a paged
-    cache is written and read in place (its gathered view is never built), any other
-    through ``update_and_fetch``."""
-    if cache is None:
-        return attention(q, k, v, scale, mask, merge_heads=True)
-    if not hasattr(cache, "append") or not hasattr(cache, "paged_view"):
+    """Store k, v in ``cache`` and attend over it, heads merged ``[B, L, Hq * D]``; a paged
+    cache is written in place and its gathered view never built."""
+    if hasattr(cache, "append") and hasattr(cache, "paged_view"):
+        cache.append(k, v)
+        k = v = None
+    elif cache is not None:
         k, v = cache.update_and_fetch(k, v)
-        return attention(q, k, v, scale, mask, merge_heads=True)
-    cache.append(k, v)
-    view = cache.paged_view()
-    out = paged_attention(q, view, scale, mask, merge_heads=True) if view is not None else None
-    return attention(q, *cache.fetch(), scale, mask, merge_heads=True) if out is None else out
+    return attend(q, k, v, cache, scale, mask, merge_heads=True)
 
 
 def _linears(*layers) -> list | None:
