@@ -4,8 +4,9 @@ Writes to build/drafters/data/ (resumable: a chunk already saved is skipped; tim
 - text.npz: teacher-forcing text present on every machine (the Python standard library's
   sources, Debian's plain-text docs under /usr/share/doc, .gz decompressed), tokenized
   and cut into sequences of --seq tokens;
-- magpie.json: user questions the target writes itself (Magpie: sample the user turn after
-  the chat template's pre-query prefix at temperature 1), filtered. Templates x topics
+- magpie.json (then magpie_1.json, ... where a later run asks for more): user questions the
+  target writes itself (Magpie: sample the user turn after the chat template's pre-query
+  prefix at temperature 1), filtered, never one twice. Templates x topics
   (scripts/drafter_prompts.py) cover few shapes of question; these cover the target's own
   spread of them. scripts/heldout_prompts.json is never trained on;
 - gen_*.json: the target's own answers, per prompt chunk (templated and self-written
@@ -107,24 +108,39 @@ def row_seed(seed: int, name: str, i: int) -> int:
     return zlib.crc32(f"{seed}:{name}:{i}".encode()) & 0x7FFFFFFF
 
 
+def magpie_batches(folder: Path) -> list[Path]:
+    """The saved batches of self-written questions: magpie.json, then magpie_1.json, ..."""
+    files = [folder / "magpie.json"]
+    while files[-1].exists():
+        files.append(folder / f"magpie_{len(files)}.json")
+    return files[:-1]
+
+
 def make_magpie(runner, tok, n: int, seed: int, deadline: float, folder: Path, width: int,
-                max_tokens: int = 72) -> list[dict]:
-    """Questions the target writes itself after its chat template's pre-query prefix."""
+                max_tokens: int = 72) -> list[list[dict]]:
+    """Questions the target writes itself after its chat template's pre-query prefix, as the
+    saved batches; where they hold fewer than ``n`` in all, a new batch (its own seeds, no
+    question repeated) tops them up, so a later run with a larger ``n`` adds prompts
+    without touching the chunks answered from the earlier ones."""
     from specbatch.runtime.params import SamplingParams
-    path = folder / "magpie.json"
-    if path.exists():
-        return json.loads(path.read_text())
+    batches = [json.loads(p.read_text()) for p in magpie_batches(folder)]
+    want = n - sum(map(len, batches))
+    if want <= 0:
+        return batches
+    k = len(batches)
+    path, stream = (folder / "magpie.json", "magpie") if k == 0 else (folder / f"magpie_{k}.json", f"magpie_{k}")
     marker = "XQZMARK"
     text = tok.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False)
     prefix = tok.encode(text[:text.index(marker)], add_special_tokens=False)
     held = json.loads(HELDOUT.read_text())
     seen = {p.strip().lower() for p in held["chat"] + held["code"]}
+    seen |= {q["prompt"].strip().lower() for b in batches for q in b}
     out: list[dict] = []
-    bar = tqdm(total=n, desc="self-written questions")
+    bar = tqdm(total=want, desc="self-written questions")
     tries = 0
-    while len(out) < n and time.time() < deadline and tries < 4 * n:
+    while len(out) < want and time.time() < deadline and tries < 4 * want:
         jobs = [(prefix, SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95,
-                                        seed=row_seed(seed, "magpie", tries + i))) for i in range(2 * width)]
+                                        seed=row_seed(seed, stream, tries + i))) for i in range(2 * width)]
         tries += len(jobs)
         for r in decode(runner, tok, jobs, width, deadline):
             if r.finish_reason != "stop":  # cut off (or the time box): not a whole question
@@ -136,21 +152,27 @@ def make_magpie(runner, tok, n: int, seed: int, deadline: float, folder: Path, w
             out.append({"kind": "chat", "prompt": q, "source": "magpie"})
             bar.update(1)
     bar.close()
-    path.write_text(json.dumps(out[:n], indent=0))
-    print(f"{len(out[:n])} self-written questions")
-    return out[:n]
+    out = out[:want]
+    if out:  # an empty batch would end magpie_batches' numbering early
+        path.write_text(json.dumps(out, indent=0))
+        batches.append(out)
+    print(f"{len(out)} new self-written questions, {sum(map(len, batches))} in {len(batches)} batch(es)")
+    return batches
 
 
-def generation_plan(items: list[dict], magpie: list[dict], chunk: int, folder: Path) -> list[tuple[Path, list[dict], str]]:
-    """(output file, prompts, mode) per chunk: templated and self-written prompt chunks
-    alternate; each gives greedy, sampled, and second-turn files after either (mode
-    "greedy", "sampled", "turn2:<file the first turn is in>")."""
+def generation_plan(items: list[dict], magpie: list[list[dict]], chunk: int, folder: Path) -> list[tuple[Path, list[dict], str]]:
+    """(output file, prompts, mode) per chunk: templated chunks and the first batch of
+    self-written ones alternate, later batches' chunks (``m<batch>-NNNN``) follow; each gives
+    greedy, sampled, and second-turn files after either (mode "greedy", "sampled",
+    "turn2:<file the first turn is in>")."""
     cut = lambda xs: [xs[c:c + chunk] for c in range(0, len(xs), chunk)]  # noqa: E731
-    plain, mag = cut(items), cut(magpie)
+    plain, mag = cut(items), cut(magpie[0]) if magpie else []
     named = []
     for i in range(max(len(plain), len(mag))):
         named += [(f"{c:04d}", plain[c]) for c in [i] if c < len(plain)]
         named += [(f"m{c:04d}", mag[c]) for c in [i] if c < len(mag)]
+    for k, batch in enumerate(magpie[1:], 1):
+        named += [(f"m{k}-{c:04d}", part) for c, part in enumerate(cut(batch))]
     order = []
     for name, part in named:
         greedy, sampled = folder / f"gen_{name}.json", folder / f"gen_s{name}.json"

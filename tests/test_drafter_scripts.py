@@ -149,3 +149,38 @@ def test_fused_training_unroll_matches_drafting(tiny, monkeypatch):
         _, logits = drafter.draft(None, mx.array([seq[n + 1]]), 2, lambda lg, j: mx.array([seq[n + 2 + j]]), context=[cache])
         for j in range(2):
             assert mx.allclose(logits[0, j], runner.head(outs[j][0, n]), atol=1e-3), (n, j)
+
+
+def test_more_questions_go_to_a_new_batch_and_leave_answered_chunks(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import types
+
+    import drafter_data as dd
+
+    class Tok:  # a chat template whose pre-query prefix is "<u>"; every row's text is its seed
+        def apply_chat_template(self, messages, **_):
+            return f"<u>{messages[0]['content']}</u><a>"
+
+        def encode(self, text, add_special_tokens=True):
+            return [ord(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(map(str, ids))
+
+    def fake_decode(runner, tok, jobs, width, deadline=None):  # only 3 distinct questions in all
+        return [types.SimpleNamespace(finish_reason="stop", seed=sp.seed % 3) for _, sp in jobs]
+
+    monkeypatch.setattr(dd, "decode", fake_decode)
+    monkeypatch.setattr(dd, "answer_ids", lambda r: [f"question number {r.seed}"])
+    first = [{"kind": "chat", "prompt": f"old question {i}", "source": "magpie"} for i in range(3)]
+    (tmp_path / "magpie.json").write_text(json.dumps(first))
+    assert dd.make_magpie(None, Tok(), 3, 0, float("inf"), tmp_path, 2) == [first]  # enough: nothing written
+    batches = dd.make_magpie(None, Tok(), 6, 0, float("inf"), tmp_path, 2)
+    assert len(batches) == 2 and batches[0] == first  # three seeds' questions, each once
+    assert sorted(q["prompt"] for q in batches[1]) == [f"question number {i}" for i in range(3)]
+    assert dd.magpie_batches(tmp_path) == [tmp_path / "magpie.json", tmp_path / "magpie_1.json"]
+    plan = dd.generation_plan([], batches, 2, tmp_path)
+    names = [path.name for path, _, _ in plan]
+    assert names[:4] == ["gen_m0000.json", "gen_sm0000.json", "gen_tm0000.json", "gen_tsm0000.json"]
+    assert "gen_m1-0000.json" in names and "gen_tsm1-0000.json" in names
+    assert [p for path, p, _ in plan if path.name == "gen_m0000.json"][0] == first[:2]  # answered chunks keep their prompts
