@@ -285,6 +285,10 @@ def test_calibration_picks_the_largest_chunk_within_the_gap_and_load_pair_uses_i
     times = {16: 0.05, 32: 0.08, 64: 0.15, 128: 0.3}
     assert pick_chunk(times, decode_s=0.04, gap=4.0) == 64  # 0.15 <= 0.16 < 0.3
     assert pick_chunk(times, decode_s=0.001, gap=4.0) == 16  # nothing fits: the smallest
+    assert pick_chunk(times, decode_s=0.04, gap=4.0, floor=32) == 64
+    assert pick_chunk(times, decode_s=0.025, gap=4.0) == 32
+    assert pick_chunk(times, decode_s=0.025, gap=4.0, floor=32) == 64  # 32 fits, but pins idle prefill to the kernel
+    assert pick_chunk({16: 0.05, 32: 0.08}, decode_s=0.04, gap=4.0, floor=32) == 32  # nothing larger measured
     chunks, decode = measure_chunks(ModelRunner(tiny.model), [4, 8], context=16, repeats=1)
     assert set(chunks) == {4, 8} and decode > 0 and all(t > 0 for t in chunks.values())
 
