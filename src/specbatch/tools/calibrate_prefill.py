@@ -9,8 +9,8 @@ the middle of a 2,000-token prompt). Larger chunks prefill faster (fewer, fuller
 forwards) and the arrival's time to first token falls; the bound keeps live streams
 within ~``1 + gap`` decode steps per token meanwhile (6: ~0.35 s on the embedded target
 here, a few percent of a 2,000-token prompt's solo time to first token, while chunks
-of ~100 tokens keep ~90% of the best prefill rate). If no size fits, the smallest. With
-the CPU kernels, sizes within their rows (32) count only if nothing larger was measured.
+of ~100 tokens keep ~90% of the best prefill rate). If no size fits, the smallest. Sizes
+within the CPU kernels' rows (32) count only if nothing larger was measured.
 Stored per target and machine (the pair key with no drafter); ``load_pair`` reads it
 unless ``prefill_chunk`` is set.
 """
@@ -22,15 +22,15 @@ import time
 
 import mlx.core as mx
 
-from ..kernels import cpu
+from ..kernels.cpu import MAX_ROWS
 from ..kernels.runner import ModelRunner, prefill, prefill_chunk
 from ..kernels.calibration import machine_key, pair_key, store_fields
 
 def pick_chunk(times: dict[int, float], decode_s: float, gap: float, floor: int = 0) -> int:
     """The largest size whose chunk takes at most ``gap`` decode steps; else the smallest.
-    Sizes up to ``floor`` only where no larger one was measured: a chunk within the CPU
-    kernels' rows keeps a whole idle prefill in forwards of its size on the small-M kernel
-    (``runner.idle_chunk``; measured, 1,440 tokens: chunk 32 5.76 s, 48 4.27 s)."""
+    Sizes up to ``floor`` only where no larger one was measured: ``runner.idle_chunk`` never
+    merges a chunk within the CPU kernels' rows, so it keeps a whole idle prefill in
+    forwards of its size (measured, 1,440 tokens: chunk 32 5.76 s, 48 4.27 s)."""
     above = {n: t for n, t in times.items() if n > floor} or times
     fits = [n for n, t in above.items() if t <= gap * decode_s]
     return max(fits) if fits else min(above)
@@ -69,8 +69,7 @@ def calibrate_prefill(target, args) -> int:
     sizes = [int(n) for n in args.prefill_chunks.split(",")]
     runner = ModelRunner(target.model)
     times, decode_s = measure_chunks(runner, sizes, args.prefill_context, max(1, args.repeats))
-    floor = cpu.MAX_ROWS if cpu.status().active else 0
-    chunk = pick_chunk(times, decode_s, args.prefill_gap, floor)
+    chunk = pick_chunk(times, decode_s, args.prefill_gap, floor=MAX_ROWS)  # idle_chunk never merges these
     for n, t in times.items():
         print(f"prefill chunk {n:5d}: {t * 1e3:8.1f} ms ({t / decode_s:5.1f} decode steps, {n / t:6.0f} tok/s)"
               + ("  <- chosen" if n == chunk else ""), flush=True)
