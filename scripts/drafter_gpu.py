@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 EOS = 2
+NEWLINE = 198  # "\n"
+CHAT_START = 1  # <|im_start|>: a sequence that does not begin with it is raw code
 SPECIALS = 17  # ids below are the chat template's special tokens
 FUSE = (2, 15, 29)
 STEP_WEIGHTS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3)
@@ -264,41 +266,63 @@ def write_questions(target, pieces, n: int, width: int, gen, deadline, seen: set
     return qs[:n]
 
 
+def code_prompts(target, seeds: list[list[int]], n: int, width: int, gen, deadline) -> list[list[int]]:
+    """Raw code prompts the target writes itself: a seed ("def", "class", ...) continued at
+    temperature 0.8 (top-p 0.95; at 1.0 a 135M model writes noise), cut after its second line
+    (a signature and a docstring line, as the held-out code prompts are; no chat template)."""
+    prompts = [seeds[i % len(seeds)] for i in range(n)]
+    out = []
+    for p, (ids, _) in zip(prompts, generate(target, prompts, 48, 0.8, 0.95, width, gen, deadline)):
+        lines = [i for i, t in enumerate(ids) if t == NEWLINE]
+        if len(lines) >= 2 and min(ids[:lines[1] + 1]) >= SPECIALS:
+            out.append(p + ids[:lines[1] + 1])
+    return out
+
+
+def answered(target, prompts, args, temperature, gen, deadline, max_new=None) -> list[list[int]]:
+    """prompt + answer (+ EOS where it ended) for each prompt that got an answer."""
+    res = generate(target, prompts, max_new or args.max_new, temperature, 1.0, args.width, gen, deadline)
+    return [p + a + ([EOS] if ended else []) for p, (a, ended) in zip(prompts, res) if a]
+
+
 def make_data(target, pieces, args, deadline) -> dict:
-    """New sequences (prompt + answer [+ EOS]) by kind, time-boxed in priority order."""
+    """New sequences (prompt + answer [+ EOS]) by kind, time-boxed, in the order of --phases:
+    code (raw code prompts it writes, greedy continuations), greedy (its own questions,
+    greedy answers), sampled (the same questions at 0.7), turn2 (a second user turn it writes
+    after a greedy answer, answered greedily)."""
     gen = torch.Generator(device=target.device).manual_seed(args.seed)
     q_end, t2 = pieces["question_end"].tolist(), pieces["turn2_open"].tolist()
     prefix = pieces["magpie_prefix"].tolist()
     seen = {tuple(s) for s in pieces["held_questions"]}
-    out = {"greedy": [], "sampled": [], "turn2": []}
-    t0 = time.time()
-    qs = write_questions(target, pieces, args.questions, args.width * 2, gen, deadline, seen)
-    log(f"questions: {len(qs)} in {time.time() - t0:.0f} s")
-    prompts = [prefix + q + q_end for q in qs]
-    t0 = time.time()
-    answers = generate(target, prompts, args.max_new, 0.0, 1.0, args.width, gen, deadline)
-    for p, (a, ended) in zip(prompts, answers):
-        if a:
-            out["greedy"].append(p + a + ([EOS] if ended else []))
-    n_tok = sum(len(a) for a, _ in answers)
-    log(f"greedy answers: {len(out['greedy'])} ({n_tok:,} tokens) in {time.time() - t0:.0f} s "
-        f"({n_tok / max(1e-9, time.time() - t0):,.0f} tok/s)")
+    phases = args.phases.split(",")
+    out = {name: [] for name in phases}
+    prompts: list[list[int]] = []
+    if {"greedy", "sampled", "turn2"} & set(phases):
+        t0 = time.time()
+        qs = write_questions(target, pieces, args.questions, args.width * 2, gen, deadline, seen)
+        prompts = [prefix + q + q_end for q in qs]
+        log(f"questions: {len(qs)} in {time.time() - t0:.0f} s")
     half = len(prompts) // 2
-    t0 = time.time()
-    for p, (a, ended) in zip(prompts[:half], generate(target, prompts[:half], args.max_new, 0.7, 1.0, args.width, gen, deadline)):
-        if a:
-            out["sampled"].append(p + a + ([EOS] if ended else []))
-    log(f"sampled answers: {len(out['sampled'])} in {time.time() - t0:.0f} s")
-    # the answer's own EOS is the end of its turn, which the second turn's header begins with
-    firsts = [s[:-1] + t2 if t2[0] == EOS else s + t2 for s in out["greedy"][half:]
-              if s[-1] == EOS and len(s) < args.max_len - 120]
-    t0 = time.time()
-    follow = generate(target, firsts, 72, 1.0, 0.95, args.width, gen, deadline)
-    turns = [c + q + q_end for c, (q, ended) in zip(firsts, follow) if ended and len(q) >= 4 and min(q) >= SPECIALS]
-    for p, (a, ended) in zip(turns, generate(target, turns, args.max_new, 0.0, 1.0, args.width, gen, deadline)):
-        if a:
-            out["turn2"].append(p + a + ([EOS] if ended else []))
-    log(f"second turns: {len(out['turn2'])} in {time.time() - t0:.0f} s")
+    for phase in phases:
+        t0 = time.time()
+        if phase == "code":
+            seeds = unflat(pieces["code_seeds"], pieces["code_seeds_offsets"])
+            starts = code_prompts(target, seeds, args.code, args.width * 2, gen, deadline)
+            out[phase] = answered(target, starts, args, 0.0, gen, deadline, max_new=256)
+            out[phase] += answered(target, starts[:len(starts) // 2], args, 0.7, gen, deadline, max_new=256)
+        elif phase == "greedy":
+            out[phase] = answered(target, prompts, args, 0.0, gen, deadline)
+        elif phase == "sampled":
+            out[phase] = answered(target, prompts[:half], args, 0.7, gen, deadline)
+        elif phase == "turn2":
+            # the answer's own EOS is the end of its turn, which the second turn's header begins with
+            firsts = [s[:-1] + t2 if t2[0] == EOS else s + t2 for s in out.get("greedy", [])[half:]
+                      if s[-1] == EOS and len(s) < args.max_len - 120]
+            follow = generate(target, firsts, 72, 1.0, 0.95, args.width, gen, deadline)
+            turns = [c + q + q_end for c, (q, ended) in zip(firsts, follow) if ended and len(q) >= 4 and min(q) >= SPECIALS]
+            out[phase] = answered(target, turns, args, 0.0, gen, deadline)
+        n_tok = sum(map(len, out[phase]))
+        log(f"{phase}: {len(out[phase])} sequences ({n_tok:,} tokens with their prompts) in {time.time() - t0:.0f} s")
     return out
 
 
@@ -555,6 +579,15 @@ def parse_args():
     ap.add_argument("--gen-minutes", type=float, default=2.0, help="time box of the data phase")
     ap.add_argument("--eval-reserve", type=float, default=50.0, help="seconds kept for held-out evaluation and saving")
     ap.add_argument("--questions", type=int, default=8192)
+    ap.add_argument("--code", type=int, default=4096, help="raw code prompts to write and continue")
+    ap.add_argument("--code-repeat", type=int, default=1, help="times each raw-code sequence appears in the data")
+    ap.add_argument("--phases", default="greedy,sampled,turn2", help="data phases in order (code,greedy,sampled,turn2)")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="a previous run's --out: variants found there (<name>.safetensors) continue from its weights")
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--extra-data", type=Path, nargs="*", default=[], help="earlier runs' data.npz, trained on too")
+    ap.add_argument("--shipped", type=Path, default=Path("src/specbatch/demo_models/mtp/mtp.safetensors"),
+                    help="the head measured beside the new ones (skipped where absent)")
     ap.add_argument("--width", type=int, default=1024, help="rows per generation wave")
     ap.add_argument("--max-new", type=int, default=448)
     ap.add_argument("--max-len", type=int, default=768)
@@ -589,7 +622,8 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
         target.set_dtype(torch.bfloat16)
     held = unflat(data["held"], data["held_offsets"])
-    pieces = {k: data[k] for k in ("magpie_prefix", "question_end", "turn2_open")}
+    pieces = {k: data[k] for k in ("magpie_prefix", "question_end", "turn2_open", "code_seeds", "code_seeds_offsets")
+              if k in data.files}
     chat_held = [h for h, code in zip(held, data["held_code"]) if not code]
     q0, q1 = len(pieces["magpie_prefix"]), len(pieces["question_end"])
     pieces["held_questions"] = [h[q0:len(h) - q1] for h in chat_held]
@@ -605,8 +639,14 @@ def main() -> None:
     old = unflat(data["train"], data["train_offsets"])
     if args.limit_old:
         old = old[:args.limit_old]
-    seqs = [s[:args.max_len] for s in old + new["greedy"] + new["sampled"] + new["turn2"]]
+    for path in args.extra_data:  # an earlier run's generated data (its data.npz)
+        with np.load(path) as z:
+            for kind in [k for k in z.files if not k.endswith("_offsets")]:
+                old += unflat(z[kind], z[f"{kind}_offsets"])
+        log(f"with {path}: {len(old)} earlier sequences")
+    seqs = [s[:args.max_len] for s in old + [seq for kind in new.values() for seq in kind]]
     seqs = [s for s in seqs if len(s) >= 8]
+    seqs += [s for s in seqs if s[0] != CHAT_START] * (args.code_repeat - 1)  # raw code: rare in the chat data
     save_data(args.out / "data.npz", new)
     rng = np.random.default_rng(args.seed)
     val_idx = set(rng.choice(len(seqs), size=max(8, len(seqs) // 50), replace=False).tolist())
@@ -628,16 +668,26 @@ def main() -> None:
         fuse = FUSE if name.startswith("fused") else ()
         head = Head(target, vocab_ids, fuse, "soft" if name.endswith("soft") else "hard")
         head.init_last(target, final_rms)
+        if args.init_from is not None and (args.init_from / f"{name}.safetensors").exists():
+            head.load_mlx(args.init_from / f"{name}.safetensors")  # its weights and kept vocabulary
+            pos = torch.full((target.V,), -1, dtype=torch.long, device=dev)
+            pos[head.vocab_ids] = torch.arange(len(head.vocab_ids), device=dev)
+            head.out_rows = (target.E[head.vocab_ids], pos)
+            log(f"{name}: continuing from {args.init_from}")
+            heads[name] = (head, torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95)))
+            continue
         head.out_rows = (target.E[torch.as_tensor(vocab_ids, device=dev)], pos_of)
         opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
         heads[name] = (head, opt)
-    shipped = Head(target, vocab_ids, (), "soft")
-    shipped.load_mlx(Path("src/specbatch/demo_models/mtp/mtp.safetensors"))
+    everyone = {}
+    if args.shipped.exists():
+        everyone["shipped"] = Head(target, vocab_ids, (), "soft")
+        everyone["shipped"].load_mlx(args.shipped)
     report["history"] = []
     train_loop(heads, target, train, val, args, amp, end - args.eval_reserve, report)
 
     # held-out acceptance, the shipped head beside the new ones
-    everyone = {"shipped": shipped} | {n: h for n, (h, _) in heads.items()}
+    everyone |= {n: h for n, (h, _) in heads.items()}
     report["heldout"] = accept(everyone, target, held_seqs, [len(h) for h in held], kinds, 5, FUSE, amp)
     for name, res in report["heldout"].items():
         log(f"held-out {name}: all {json.dumps(res['all'])}; chat tau {res['chat']['tau_by_k']}; "
@@ -679,7 +729,7 @@ def train_loop(heads, target, train, val, args, amp, stop: float, report) -> Non
             el = time.time() - t0
             if time.time() >= stop:
                 break
-            lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, el / budget))))
+            lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, el / budget))))
             b = to_batch(target, group, S, FUSE)
             for name, (head, opt) in heads.items():
                 W, pos_of = head.out_rows

@@ -5,7 +5,7 @@ The embedded target travels as its quantized arrays (MLX affine, group 32: 8-bit
 most 64 MiB, the working tree included): ``target_a.npz`` (embedding, final norm, layers
 0..7) and ``target_b.npz`` (layers 8..29). ``data.npz`` holds token ids only: the
 committed answers (data/drafters, prompt + answer + EOS), the chat template's pieces that
-the GPU job needs to write and answer its own questions, the held-out prompts (never
+the GPU job needs to write and answer its own questions, the starts of raw code it continues, the held-out prompts (never
 trained on) and a reference forward of the fp32 target on this machine (its logits) that
 the job checks its port against before it spends any time.
 
@@ -29,6 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / ".gpu"
 SPLIT = 8  # layers below go with the embedding in part a
 MARK = "XQZMARK"
+CODE_SEEDS = ["import os\n\n\ndef", "import math\n\n\ndef", "from typing import List\n\n\ndef", "import re\n\n\ndef",
+              "import json\n\n\ndef", "from collections import Counter\n\n\ndef", "import random\n\n\nclass",
+              "from dataclasses import dataclass\n\n\n@dataclass\nclass", "import itertools\n\n\ndef",
+              "import unittest\n\n\nclass"]  # raw code starts: a line of context, then a definition
 
 
 def flat(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -46,7 +50,9 @@ def template_pieces(tok) -> dict:
                                    {"role": "user", "content": MARK}], add_generation_prompt=True, tokenize=False)
     between = two.split("ANSWERMARK")[1].split(MARK)[0]
     enc = lambda s: np.array(tok.encode(s, add_special_tokens=False), dtype=np.int32)  # noqa: E731
-    return {"magpie_prefix": enc(before), "question_end": enc(after), "turn2_open": enc(between)}
+    seeds, seeds_off = flat([enc(w).tolist() for w in CODE_SEEDS])
+    return {"magpie_prefix": enc(before), "question_end": enc(after), "turn2_open": enc(between),
+            "code_seeds": seeds, "code_seeds_offsets": seeds_off}
 
 
 def pack_target(folder: Path) -> None:
