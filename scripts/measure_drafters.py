@@ -132,12 +132,16 @@ def step_times(target, head_dir: Path | None, draft, n_keeps=(4096, 8192)) -> di
         head = load_head(head_dir, target.model.args)
         full_ids = head.vocab_ids
         order_path = head_dir.parent / "vocab_order.npy"  # the training run's own frequency order
-        order = np.load(order_path if order_path.exists() else dc.BUILD / "mtp" / "vocab_order.npy")
+        if not order_path.exists():
+            order_path = dc.BUILD / "mtp" / "vocab_order.npy"
+        if not order_path.exists():  # a head trained elsewhere (the GPU job): its own kept set only
+            n_keeps = (len(full_ids),)
+        order = np.load(order_path) if order_path.exists() else None
         for n in list(n_keeps) + [None]:
             if n is None:
                 del head["vocab_ids"]
             else:
-                head.vocab_ids = mx.array(np.sort(order[:n]).astype(np.int32))
+                head.vocab_ids = full_ids if order is None else mx.array(np.sort(order[:n]).astype(np.int32))
             d = MTPDrafter(head, runner)
             d.hidden = mx.zeros((1, target.model.args.hidden_size))
             pending = mx.array([7])
