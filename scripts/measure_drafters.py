@@ -168,11 +168,20 @@ def _step(model, cache):
     return out
 
 
+def destination(tau: list[float], shipped: list[float] | None) -> str:
+    """Where a measured MTP head goes: the default (``mtp``) only where its held-out tau at
+    k = 3 or 4 clears 1.5 and beats the shipped head's, measured in the same run; else
+    ``mtp-candidate``, beside it (a weaker head never replaces a stronger one)."""
+    best = max(tau[2], tau[3])
+    if best <= 1.5 or (shipped is not None and best <= max(shipped[2], shipped[3])):
+        return "mtp-candidate"
+    return "mtp"
+
+
 def install(res: dict, mtp_dir: Path | None, draft_dir: Path | None, target) -> None:
-    """Copy the measured drafters into the package. The MTP head becomes the engine's default
-    (demo_models/mtp) only when its held-out tau at k=3 or 4 clears 1.5; otherwise it goes
-    to demo_models/mtp-candidate. Its kept vocabulary is the measured better of 4096/8192
-    (the smaller one on a tie within 0.01 tau: it is the cheaper step)."""
+    """Copy the measured drafters into the package. The MTP head goes where ``destination``
+    says. Its kept vocabulary is the measured better of 4096/8192 (the smaller one on a tie
+    within 0.01 tau: it is the cheaper step)."""
     import shutil
 
     from specbatch.kernels.drafters.mtp import save_head
@@ -182,11 +191,11 @@ def install(res: dict, mtp_dir: Path | None, draft_dir: Path | None, target) -> 
         t4, t8 = res["mtp_top4096"]["all"]["tau_by_k"], res["mtp_top8192"]["all"]["tau_by_k"]
         n = 4096 if max(t4) >= max(t8) - 0.01 else 8192
         tau = res[f"mtp_top{n}"]["all"]["tau_by_k"]
-        good = max(tau[2], tau[3]) > 1.5
+        shipped = res.get("shipped_mtp", {}).get("all", {}).get("tau_by_k")
+        good = destination(tau, shipped) == "mtp"
         out = DEMO_DIR / ("mtp" if good else "mtp-candidate")
-        for old in (DEMO_DIR / "mtp", DEMO_DIR / "mtp-candidate"):
-            shutil.rmtree(old, ignore_errors=True)
-        head = load_head(mtp_dir, target.model.args)
+        head = load_head(mtp_dir, target.model.args)  # before the folder goes: it may be the one measured
+        shutil.rmtree(out, ignore_errors=True)
         order_path = mtp_dir.parent / "vocab_order.npy"  # the training run's own frequency order
         order = np.load(order_path if order_path.exists() else dc.BUILD / "mtp" / "vocab_order.npy")
         head.vocab_ids = mx.array(np.sort(order[:n]).astype(np.int32))
@@ -224,6 +233,11 @@ def main() -> None:
         for n in (4096, 8192):
             ok, kinds, _ = mtp_ok(target, mtp_dir, feats, n)
             res[f"mtp_top{n}"] = summarize(ok, kinds)
+        from specbatch.kernels.models import DEMO_DIR
+        shipped = DEMO_DIR / "mtp"
+        if args.install and (shipped / "mtp_config.json").exists() and shipped.resolve() != mtp_dir.resolve():
+            ok, kinds, _ = mtp_ok(target, shipped, feats, None)  # the head it would replace, same prompts
+            res["shipped_mtp"] = summarize(ok, kinds)
     draft = None
     if Path(args.draft, "config.json").exists():
         from specbatch.kernels.models import load

@@ -184,3 +184,12 @@ def test_more_questions_go_to_a_new_batch_and_leave_answered_chunks(tmp_path, mo
     assert names[:4] == ["gen_m0000.json", "gen_sm0000.json", "gen_tm0000.json", "gen_tsm0000.json"]
     assert "gen_m1-0000.json" in names and "gen_tsm1-0000.json" in names
     assert [p for path, p, _ in plan if path.name == "gen_m0000.json"][0] == first[:2]  # answered chunks keep their prompts
+
+
+def test_a_head_replaces_the_default_only_where_it_beats_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from measure_drafters import destination
+    assert destination([1.4, 1.6, 1.7, 1.75], None) == "mtp"
+    assert destination([1.4, 1.45, 1.48, 1.5], None) == "mtp-candidate"  # not past 1.5
+    assert destination([1.4, 1.6, 1.7, 1.75], [1.45, 1.66, 1.76, 1.81]) == "mtp-candidate"  # the shipped is better
+    assert destination([1.5, 1.7, 1.8, 1.85], [1.45, 1.66, 1.76, 1.81]) == "mtp"
