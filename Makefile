@@ -55,7 +55,9 @@ clean:
 # on the same clock to 105 minutes) with today's input and with the EAGLE-3-style fused
 # input (measured side by side on the held-out prompts), draft model, then measure them and
 # install them in src/specbatch/demo_models (the MTP head becomes the default drafter only
-# if its measured tau clears 1.5; the fused one is installed by hand where it wins).
+# if its measured tau clears 1.5 and beats the shipped head's on the same held-out prompts,
+# else it goes to demo_models/mtp-candidate; the fused one is installed by hand where it wins).
+# The shipped head came from scripts/drafter_gpu.py on a lent GPU (docs/notes.md, December 4).
 FUSE = 2,15,29
 FEATS = build/drafters/feats_l2-15-29
 drafters: $(STAMP)
