@@ -16,6 +16,7 @@ from .calibrate_tree import measure_trees, with_tree_depth
 
 TEMPERATURES = (0.0, 0.7, 1.0)
 DRAFT_LENGTHS = (1, 2, 3, 4, 6)
+CELL_PROMPTS = 4  # prompts a cell decodes per repeat at least: a width-1 cell of one prompt read noise
 
 
 def best_k(speeds: dict[int, float], margin: float = 0.03) -> int:
@@ -25,9 +26,18 @@ def best_k(speeds: dict[int, float], margin: float = 0.03) -> int:
     return k if k and speeds[k] >= speeds[0] * (1 + margin) else 0
 
 
+def cell_batches(prompts: list, width: int, repeat: int) -> list[list]:
+    """The batches of ``width`` prompts that one repeat of a cell decodes in turn: at least
+    CELL_PROMPTS prompts in all, another slice of the workload each repeat (the workload
+    alternates chat and code, so a width-1 cell sees both)."""
+    n = -(-CELL_PROMPTS // width)
+    first = repeat * n * width
+    return [[prompts[(first + b * width + i) % len(prompts)] for i in range(width)] for b in range(n)]
+
+
 def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
     """For each temperature and width: tokens/s plain and at each draft length (side by
-    side, medians of ``args.repeats``); the schedule takes each cell's best k. Widths past
+    side, medians of ``args.repeats``, each over ``cell_batches``); the schedule takes each cell's best k. Widths past
     two losing widths in a row are not measured (they take the last measured k, 0)."""
     widths = [int(w) for w in args.widths.split(",")]
     ks = [int(k) for k in args.draft_lengths.split(",")]
@@ -41,10 +51,13 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
             if losing >= 2:
                 break
             speeds, accepted = {}, {}
-            for _ in range(args.repeats):  # round-robin: the systems share each moment's noise
+            for r in range(args.repeats):  # round-robin: the systems share each moment's noise
                 for k, engine in [(0, plain), *spec.items()]:
                     before = engine.stats()
-                    speeds.setdefault(k, []).append(engine_tok_s(engine, prompts[:width], args.tokens, temperature=t))
+                    # every batch decodes width x tokens: the harmonic mean is the cell's tokens over its time
+                    rates = [engine_tok_s(engine, batch, args.tokens, temperature=t)
+                             for batch in cell_batches(prompts, width, r)]
+                    speeds.setdefault(k, []).append(statistics.harmonic_mean(rates))
                     accepted.setdefault(k, []).append(acceptance(before, engine.stats()) if k else 0.0)
             speeds = {k: statistics.median(v) for k, v in speeds.items()}
             row.append(best_k(speeds, args.margin))
