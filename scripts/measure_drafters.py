@@ -23,21 +23,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import drafter_common as dc  # noqa: E402
 import train_mtp_head as tm  # noqa: E402
+from drafter_tally import summarize  # noqa: E402
 
 K = 5
-
-
-def summarize(ok: np.ndarray, kinds: list[str]) -> dict:
-    """ok [P, K] per start; kinds [P]."""
-    out = {}
-    for name, sel in [("all", np.ones(len(kinds), bool)), ("chat", np.array(kinds) == "chat"),
-                      ("code", np.array(kinds) == "code")]:
-        o = ok[sel]
-        run = np.cumprod(o, axis=1)
-        cond = [float(run[:, j].sum() / max(1, (run[:, j - 1] if j else np.ones(len(o))).sum())) for j in range(K)]
-        out[name] = {"starts": int(len(o)), "accept_by_position": [round(c, 3) for c in cond],
-                     "tau_by_k": [round(1 + float(run[:, :k].sum(1).mean()), 3) for k in range(1, K + 1)]}
-    return out
 
 
 def held_features(target, layers=()):
@@ -55,16 +43,24 @@ def held_features(target, layers=()):
     return feats
 
 
+def kept_ids(head, head_dir: Path, n: int | None) -> np.ndarray:
+    """The ``n`` most frequent token ids by the training run's own order (beside its folder,
+    else build/drafters/mtp's); the head's own kept set where ``n`` covers it or no order
+    exists (a head trained elsewhere, such as by scripts/drafter_gpu.py)."""
+    ids = np.array(head.vocab_ids)
+    paths = [head_dir.parent / "vocab_order.npy", dc.BUILD / "mtp" / "vocab_order.npy"]
+    order = next((np.load(p) for p in paths if p.exists()), None)
+    if n is None or order is None or n == len(ids):
+        return ids
+    return np.sort(order[:n]).astype(np.int32)
+
+
 def mtp_ok(target, head_dir: Path, feats, n_keep: int | None):
     from specbatch.kernels.drafters.mtp_checkpoint import load_head
     head = load_head(head_dir, target.model.args)
     if head.fuse_layers:  # its first step reads the target's layers: features that hold them
         feats = held_features(target, head.fuse_layers)
-    ids = np.array(head.vocab_ids)
-    if n_keep is not None and n_keep < len(ids):
-        order_path = head_dir.parent / "vocab_order.npy"  # the training run's own frequency order
-        order = np.load(order_path if order_path.exists() else dc.BUILD / "mtp" / "vocab_order.npy")
-        ids = np.sort(order[:n_keep])
+    ids = kept_ids(head, head_dir, n_keep if n_keep is not None and n_keep < len(head.vocab_ids) else None)
     E = target.model.model.embed_tokens.weight
     W = E[mx.array(ids)]
     idsm = mx.array(ids)
@@ -131,17 +127,12 @@ def step_times(target, head_dir: Path | None, draft, n_keeps=(4096, 8192)) -> di
     if head_dir is not None:
         head = load_head(head_dir, target.model.args)
         full_ids = head.vocab_ids
-        order_path = head_dir.parent / "vocab_order.npy"  # the training run's own frequency order
-        if not order_path.exists():
-            order_path = dc.BUILD / "mtp" / "vocab_order.npy"
-        if not order_path.exists():  # a head trained elsewhere (the GPU job): its own kept set only
-            n_keeps = (len(full_ids),)
-        order = np.load(order_path) if order_path.exists() else None
-        for n in list(n_keeps) + [None]:
+        sets = {len(ids): ids for ids in (kept_ids(head, head_dir, n) for n in n_keeps)}  # one per size there is
+        for n in list(sets) + [None]:
             if n is None:
                 del head["vocab_ids"]
             else:
-                head.vocab_ids = full_ids if order is None else mx.array(np.sort(order[:n]).astype(np.int32))
+                head.vocab_ids = mx.array(sets[n])
             d = MTPDrafter(head, runner)
             d.hidden = mx.zeros((1, target.model.args.hidden_size))
             pending = mx.array([7])
@@ -196,14 +187,12 @@ def install(res: dict, mtp_dir: Path | None, draft_dir: Path | None, target) -> 
         out = DEMO_DIR / ("mtp" if good else "mtp-candidate")
         head = load_head(mtp_dir, target.model.args)  # before the folder goes: it may be the one measured
         shutil.rmtree(out, ignore_errors=True)
-        order_path = mtp_dir.parent / "vocab_order.npy"  # the training run's own frequency order
-        order = np.load(order_path if order_path.exists() else dc.BUILD / "mtp" / "vocab_order.npy")
-        head.vocab_ids = mx.array(np.sort(order[:n]).astype(np.int32))
-        head.config["draft_vocab"] = n
+        head.vocab_ids = mx.array(kept_ids(head, mtp_dir, n))
+        head.config["draft_vocab"] = int(head.vocab_ids.shape[0])
         save_head(head, out)
-        meta = json.loads((mtp_dir / "training.json").read_text())
+        meta = json.loads((mtp_dir / "training.json").read_text()) if (mtp_dir / "training.json").exists() else {}
         meta["heldout_measurement"] = {k: v for k, v in res.items() if k.startswith("mtp") or k in ("heldout", "step_times")}
-        meta["installed_vocab"] = n
+        meta["installed_vocab"] = head.config["draft_vocab"]
         meta["default"] = good
         (out / "training.json").write_text(json.dumps(meta, indent=1))
         print(f"installed the MTP head (top-{n}) in {out}")
