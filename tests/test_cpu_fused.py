@@ -72,6 +72,45 @@ def test_gate_up_is_two_linears_and_both_fused_ops_have_gradients():
 
 
 @needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 4), length=st.integers(1, 8), k=st.integers(1, 70), i=st.integers(1, 90),
+       seed=st.integers(0, 2**16))
+def test_mlp_block_is_the_separate_kernels_bit_for_bit(b, length, k, i, seed):
+    if b * length > cpu.MAX_ROWS:
+        return
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: mx.array(rng.standard_normal(shape), dtype=mx.float32)  # noqa: E731
+    x, r, norm = normal(b, length, k), normal(b, length, k), normal(k)
+    wg, wu, wd = normal(i, k), normal(i, k), normal(k, i)
+    h, n = cpu.add_rms_norm(x, r, norm, 1e-5)
+    g, u = cpu.extension().gate_up(n, wg, wu)
+    want = h + cpu.linear(cpu.swiglu(g, u), wd)
+    assert mx.array_equal(cpu.mlp_block(x, r, norm, 1e-5, wg, wu, wd), want).item()
+
+
+@needs_kernels
+def test_mlp_block_has_gradients_and_leaves_wide_inputs_to_the_modules():
+    x, r, norm = mx.random.normal((2, 3, 24)), mx.random.normal((2, 3, 24)), mx.random.normal((24,))
+    wg, wu, wd = mx.random.normal((40, 24)) * 0.2, mx.random.normal((40, 24)) * 0.2, mx.random.normal((24, 40)) * 0.2
+
+    def plain(x, wd):
+        h = x + r
+        n = mx.fast.rms_norm(h, norm, 1e-5)
+        g, u = n @ wg.T, n @ wu.T
+        return h + (g * mx.sigmoid(g) * u) @ wd.T
+    ours = mx.grad(lambda x, wd: (cpu.mlp_block(x, r, norm, 1e-5, wg, wu, wd) ** 2).sum(), argnums=(0, 1))(x, wd)
+    theirs = mx.grad(lambda x, wd: (plain(x, wd) ** 2).sum(), argnums=(0, 1))(x, wd)
+    for a, b in zip(ours, theirs):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-3).item()
+    wide = mx.random.normal((1, cpu.MAX_ROWS + 1, 24))
+    assert cpu.mlp_block(wide, wide, norm, 1e-5, wg, wu, wd) is None
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        cpu.extension().mlp_block(wide, wide, norm, 1e-5, wg, wu, wd)
+    with pytest.raises(ValueError, match="wd"):
+        cpu.extension().mlp_block(x, r, norm, 1e-5, wg, wu, wg)
+
+
+@needs_kernels
 def test_a_swapped_llama_decodes_the_same_bits_fused_or_not(tiny, monkeypatch):
     from mlx_lm.models.cache import make_prompt_cache
     model = tiny.model
@@ -86,8 +125,11 @@ def test_a_swapped_llama_decodes_the_same_bits_fused_or_not(tiny, monkeypatch):
     calls = []
     original = fused.attention_call
     monkeypatch.setattr(fused, "attention_call", lambda *a, **k: calls.append(1) or original(*a, **k))
+    blocks = []
+    original_block = fused.mlp_block
+    monkeypatch.setattr(fused, "mlp_block", lambda *a: blocks.append(1) or original_block(*a))
     with_fusion = run()
-    assert calls  # the fused path ran
+    assert calls and blocks  # the fused paths ran
     monkeypatch.setattr(fused, "attention_call", lambda *a, **k: None)
     monkeypatch.setattr(fused, "block_call", lambda *a, **k: None)  # the add and the norm apart
     # the separate kernels: two small linears, then the same activation kernel

@@ -234,6 +234,18 @@ def add_rms_norm(x: mx.array, r: mx.array, weight: mx.array, eps: float) -> tupl
     return tuple(ext.add_rms_norm(x, r, weight, eps))
 
 
+def mlp_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float, wg: mx.array, wu: mx.array,
+              wd: mx.array) -> mx.array | None:
+    """``h + down(swiglu(gate(n), up(n)))`` for ``h = x + r`` and ``n = rms_norm(h)``: a llama
+    block's second half as one kernel op (float32 decode and verify rows), bitwise what the
+    separate kernels give; None where it does not apply."""
+    ext = _active()
+    if (ext is None or x.shape != r.shape or not 0 < rows_of(x) <= MAX_ROWS
+            or any(a.dtype != mx.float32 for a in (x, r, norm_weight, wg, wu, wd))):
+        return None
+    return ext.mlp_block(x, r, norm_weight, eps, wg, wu, wd)
+
+
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     """``silu(gate) * up`` as one kernel op (float32 on the CPU, any shape; MLX computes its
     exps one at a time), mlx-lm's ``swiglu`` otherwise."""

@@ -4,8 +4,8 @@ mlx-lm's llama / qwen2 ``Attention`` runs three linears, three reshapes and tran
 two RoPEs before its cache update (11 graph nodes a layer); here ``qkv_rope`` is one op that
 writes q, k (rotated) and v in the head layout, and attention writes its heads merged
 (``[B, L, Hq * D]``, the output projection's input). Its ``MLP`` runs two linears where
-``gate_up`` is one; the block's residual add after attention and the norm after it are one
-op. Per element each gives the bits the separate kernels give, so the layer's output is the
+``gate_up`` is one; the block's residual add after attention, the norm after it, the MLP
+and its residual add are one op (``mlp_block``: five graph nodes a layer become one). Per element each gives the bits the separate kernels give, so the layer's output is the
 same. The MLP's activation is the kernels' ``swiglu`` at every width (prefill chunks too),
 so a row's bits never depend on which path its forward took. Anything else (more rows than
 the small-M kernels take, other dtypes, sharded or quantized projections, a RoPE variant
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import MAX_ROWS, _active, add_rms_norm, attention, paged_attention, rope_positions, rows_of, swiglu
+from . import MAX_ROWS, _active, add_rms_norm, attention, mlp_block, paged_attention, rope_positions, rows_of, swiglu
 
 MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")  # classes whose calls are copied here
 
@@ -93,12 +93,19 @@ def mlp_call(self, x: mx.array) -> mx.array | None:
 
 
 def block_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
-    """mlx-lm's llama ``TransformerBlock.__call__`` with the residual add after attention and
-    the norm after it as one op (``add_rms_norm``); None where the norm is not the kernel's."""
+    """mlx-lm's llama ``TransformerBlock.__call__`` with everything after attention (the
+    residual add, the norm, the MLP and its add) as one op (``mlp_block``), or at least the
+    add and the norm (``add_rms_norm``); None where the norm is not the kernel's."""
     post = self.post_attention_layernorm
     if not getattr(type(post), "_sb_norm", False):
         return None
     r = self.self_attn(self.input_layernorm(x), mask, cache)
+    mlp = self.mlp
+    weights = _linears(mlp.gate_proj, mlp.up_proj, mlp.down_proj) if getattr(type(mlp), "_sb_mlp", False) else None
+    if weights is not None and not any("bias" in m for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        out = mlp_block(x, r, post.weight, post.eps, *weights)  # the add, norm and MLP as one op
+        if out is not None:
+            return out
     fused = add_rms_norm(x, r, post.weight, post.eps)
     if fused is None:
         h = x + r

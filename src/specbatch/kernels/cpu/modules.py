@@ -103,7 +103,7 @@ def _mlp_methods(cls: type) -> dict:
     def __call__(self, x):
         out = fused.mlp_call(self, x)
         return cls.__call__(self, x) if out is None else out
-    return {"__call__": __call__}
+    return {"__call__": __call__, "_sb_mlp": True}  # a block may run it fused with the norm before it
 
 
 def _block_methods(cls: type) -> dict:

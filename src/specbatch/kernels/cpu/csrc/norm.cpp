@@ -24,8 +24,6 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
                    {x, w});
 }
 
-namespace {
-// One row: the sum of squares in 8 fixed lanes (a row's result never depends on its batch).
 void norm_row(const float* x, const float* w, float* y, int D, float eps) {
   float lanes[8] = {};
   int d = 0;
@@ -37,7 +35,6 @@ void norm_row(const float* x, const float* w, float* y, int D, float eps) {
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
   for (d = 0; d < D; ++d) y[d] = (x[d] * r) * w[d];
 }
-}  // namespace
 
 void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];

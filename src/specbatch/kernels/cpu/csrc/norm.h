@@ -9,6 +9,10 @@ namespace specbatch {
 
 namespace mx = mlx::core;
 
+// One row of D: y = x * rsqrt(mean(x^2) + eps) * w, the squares summed in 8 fixed lanes
+// (a row's result never depends on its batch).
+void norm_row(const float* x, const float* w, float* y, int D, float eps);
+
 // x [..., D] float32, w [D] float32 -> x * rsqrt(mean(x^2) + eps) * w, per row of D.
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps);
 

@@ -1,0 +1,83 @@
+#include "mlp_block.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "gemv.h"
+#include "grad.h"
+#include "linear.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
+#include "mlx/ops.h"
+#include "norm.h"
+#include "pool.h"
+#include "strided.h"
+#include "swiglu.h"
+
+namespace specbatch {
+
+mx::array mlp_block(const mx::array& x, const mx::array& r, const mx::array& norm, float eps, const mx::array& wg,
+                    const mx::array& wu, const mx::array& wd) {
+  for (const auto* a : {&x, &r, &norm, &wg, &wu, &wd})
+    if (a->dtype() != mx::float32) throw std::invalid_argument("mlp_block: float32 inputs only");
+  if (x.ndim() < 1 || x.shape() != r.shape()) throw std::invalid_argument("mlp_block: x and r [..., K] alike");
+  const int K = x.shape(-1);
+  if (norm.ndim() != 1 || norm.shape(0) != K || wg.ndim() != 2 || wg.shape() != wu.shape() || wg.shape(1) != K ||
+      wd.ndim() != 2 || wd.shape(0) != K || wd.shape(1) != wg.shape(0))
+    throw std::invalid_argument("mlp_block: norm [K], wg and wu [I, K], wd [K, I]");
+  if (x.size() / std::max(1, K) > static_cast<size_t>(kMaxRows))
+    throw std::invalid_argument("mlp_block: at most 32 rows");
+  if (detect_isa() == Isa::none) throw std::runtime_error("mlp_block: the CPU lacks AVX2/FMA");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<MlpBlock>(s, eps), {x, r, norm, wg, wu, wd});
+}
+
+void MlpBlock::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  const int K = inputs[0].shape(-1), I = inputs[3].shape(0);
+  const int M = K == 0 ? 0 : static_cast<int>(inputs[0].size() / K);
+  std::vector<mx::array> weak;  // as MLX's own ops capture: MLX keeps the buffers until the task ran
+  for (const auto& in : inputs) weak.push_back(mx::array::unsafe_weak_copy(in));
+  encoder.dispatch([in = std::move(weak), yp = out.data<float>(), M, K, I, eps = eps_]() {
+    if (M == 0 || K == 0) return;
+    std::vector<float> copies[6];
+    const float* p[6];
+    for (int i = 0; i < 6; ++i) p[i] = row_major(in[i], copies[i]);
+    std::vector<float> h(static_cast<size_t>(M) * K), n(h.size()), gu(static_cast<size_t>(M) * I * 2);
+    for (size_t i = 0; i < h.size(); ++i) h[i] = p[0][i] + p[1][i];
+    for (int m = 0; m < M; ++m) norm_row(h.data() + static_cast<size_t>(m) * K, p[2], n.data() + static_cast<size_t>(m) * K, K, eps);
+    float* g = gu.data();
+    float* u = g + static_cast<size_t>(M) * I;
+    gemv_all(n.data(), M, K, {{p[3], I, g, I}, {p[4], I, u, I}});
+    auto act = detect_isa() == Isa::avx512 ? swiglu_avx512 : swiglu_avx2;
+    act(g, u, g, static_cast<int64_t>(M) * I);  // in place: each element reads its own two inputs first
+    gemv_all(g, M, I, {{p[5], K, yp, K}});
+    for (size_t i = 0; i < h.size(); ++i) yp[i] = h[i] + yp[i];
+  });
+}
+
+// Gradients through the same computation in MLX's own ops (training a head through a
+// swapped target).
+std::vector<mx::array> MlpBlock::vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                                     const std::vector<int>& argnums, const std::vector<mx::array>&) {
+  const float eps = eps_;
+  auto f = [eps](const std::vector<mx::array>& in) {
+    auto h = mx::add(in[0], in[1]);
+    auto n = mx::fast::rms_norm(h, in[2], eps);
+    auto g = mx::matmul(n, mx::transpose(in[3]));
+    auto u = mx::matmul(n, mx::transpose(in[4]));
+    auto a = mx::multiply(mx::multiply(g, mx::sigmoid(g)), u);
+    return std::vector<mx::array>{mx::add(h, mx::matmul(a, mx::transpose(in[5])))};
+  };
+  return vjp_through(f, primals, cotangents, argnums);
+}
+
+void MlpBlock::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("SpecbatchMlpBlock runs on the CPU only");
+}
+
+}  // namespace specbatch
