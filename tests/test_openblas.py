@@ -102,6 +102,18 @@ def test_limit_threads_caps_the_loaded_openblas_at_the_cores():
     limit_threads()
 
 
+def test_blas_core_names_the_loaded_kernels_and_says_when_the_environment_forced_them(monkeypatch):
+    import mlx.core as mx
+    mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
+    if not openblas._loaded("openblas"):
+        pytest.skip("no OpenBLAS in this process")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    core = openblas.blas_core()
+    assert core.split()[0].lower() in _NEEDS and core.endswith("(forced by OPENBLAS_CORETYPE=Haswell)")
+    monkeypatch.delenv("OPENBLAS_CORETYPE")
+    assert openblas.blas_core() == core.split()[0]
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 16, 64])
 def test_share_cores_gives_each_pool_the_cores_and_never_more(monkeypatch, n):
     from specbatch import openblas

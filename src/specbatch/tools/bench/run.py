@@ -22,9 +22,10 @@ def machine() -> dict:
 
     from ...blas import active_blas
     from ...kernels import cpu
+    from ...openblas import blas_core
     kernels = cpu.status()
     return {"cpu_kernels": kernels.isa if kernels.active else f"off: {kernels.why}", "platform": platform.platform(), "cpus": os.cpu_count(), "device": str(mx.default_device()),
-            "blas": active_blas(), "mlx": mx.__version__, "python": platform.python_version()}
+            "blas": active_blas(), "blas_core": blas_core(), "mlx": mx.__version__, "python": platform.python_version()}
 
 
 def print_table(title: str, rows: list[dict]) -> None:
