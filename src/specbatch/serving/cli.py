@@ -250,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         from ..kernels import cpu
         state = cpu.status()
         kernels = f"specbatch ({state.isa})" if state.active else f"MLX ops ({state.why})"
-        print(f"specbatch: BLAS = {active_blas()} ({threads} threads); CPU kernels = {kernels}", file=sys.stderr)
+        from ..openblas import blas_core
+        core = blas_core()
+        print(f"specbatch: BLAS = {active_blas()}{f' [{core}]' if core else ''} ({threads} threads); "
+              f"CPU kernels = {kernels}", file=sys.stderr)
     try:
         return args.func(args)
     except (ValueError, TypeError) as exc:
