@@ -39,8 +39,8 @@ class FastLinear(nn.Linear):
             self.bias = bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = linear(x, self.weight)
-        return y + self.bias if "bias" in self else y
+        y = linear(x, self["weight"])  # item access: no Module.__getattr__ in every forward
+        return y + self["bias"] if "bias" in self else y
 
 
 class FastEmbedding(nn.Embedding):
@@ -156,7 +156,7 @@ def _rope_methods(cls: type) -> dict:
 def _swap_norm_or_rope(module: nn.Module) -> bool:
     cls = type(module)
     if cls is nn.RMSNorm and module.weight.dtype == mx.float32:
-        module.__class__ = _fast_class(cls, {"__call__": lambda self, x: rms_norm(x, self.weight, self.eps),
+        module.__class__ = _fast_class(cls, {"__call__": lambda self, x: rms_norm(x, self["weight"], self.eps),
                                              "_sb_norm": True})  # a block may fuse the add before it
         return True
     freqs = _rope_inv_freq(module) if cls not in _fast_classes.values() else None
