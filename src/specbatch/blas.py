@@ -2,17 +2,19 @@
 
 LD_PRELOAD only works at process start, so entry points call :func:`ensure_openblas`,
 which re-executes the interpreter once; ``python -m specbatch.blas -m pytest ...`` runs
-any command that way. Where to find OpenBLAS and why: :mod:`specbatch.openblas`.
+any command that way; :func:`blas_core` names the kernels the loaded library runs. Where to
+find OpenBLAS and why: :mod:`specbatch.openblas`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
-from .openblas import _MARK, active_blas, openblas_path, preload_env, wanted
+from .openblas import _MARK, _loaded, active_blas, openblas_path, preload_env, wanted
 
-__all__ = ["active_blas", "ensure_openblas", "main", "preload_env"]
+__all__ = ["active_blas", "blas_core", "ensure_openblas", "main", "preload_env"]
 
 
 def ensure_openblas(argv: list[str] | None = None) -> None:
@@ -26,6 +28,22 @@ def ensure_openblas(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *argv], env)
+
+
+def blas_core() -> str:
+    """The kernels the loaded OpenBLAS runs (its core name; "forced" where the environment's
+    ``OPENBLAS_CORETYPE`` chose them: a platform may pin AVX2 kernels on an AVX-512 CPU,
+    which halves prefill's sgemm), or "" where no OpenBLAS is loaded."""
+    for path in _loaded("openblas"):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.openblas_get_corename.restype = ctypes.c_char_p
+            name = lib.openblas_get_corename().decode()
+        except (OSError, AttributeError):
+            continue
+        forced = os.environ.get("OPENBLAS_CORETYPE", "")
+        return f"{name} (forced by OPENBLAS_CORETYPE={forced})" if forced else name
+    return ""
 
 
 def main() -> None:

@@ -233,22 +233,6 @@ def active_blas() -> str:
     return "bundled (reference BLAS; slow)" if wanted() or _has_dist("mlx-cpu") else "native"
 
 
-def blas_core() -> str:
-    """The kernels the loaded OpenBLAS runs (its core name; "forced" where the environment's
-    ``OPENBLAS_CORETYPE`` chose them: a platform may pin AVX2 kernels on an AVX-512 CPU,
-    which halves prefill's sgemm), or "" where no OpenBLAS is loaded."""
-    for path in _loaded("openblas"):
-        try:
-            lib = ctypes.CDLL(path)
-            lib.openblas_get_corename.restype = ctypes.c_char_p
-            name = lib.openblas_get_corename().decode()
-        except (OSError, AttributeError):
-            continue
-        forced = os.environ.get("OPENBLAS_CORETYPE", "")
-        return f"{name} (forced by OPENBLAS_CORETYPE={forced})" if forced else name
-    return ""
-
-
 def cores() -> int:
     """The CPUs this process may run on (its affinity, not the machine's count)."""
     try:

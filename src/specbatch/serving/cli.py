@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..kernels import cpu
         state = cpu.status()
         kernels = f"specbatch ({state.isa})" if state.active else f"MLX ops ({state.why})"
-        from ..openblas import blas_core
+        from ..blas import blas_core
         core = blas_core()
         print(f"specbatch: BLAS = {active_blas()}{f' [{core}]' if core else ''} ({threads} threads); "
               f"CPU kernels = {kernels}", file=sys.stderr)

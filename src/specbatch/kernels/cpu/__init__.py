@@ -234,11 +234,9 @@ def add_rms_norm(x: mx.array, r: mx.array, weight: mx.array, eps: float) -> tupl
     return tuple(ext.add_rms_norm(x, r, weight, eps))
 
 
-def mlp_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float, wg: mx.array, wu: mx.array,
-              wd: mx.array) -> mx.array | None:
-    """``h + down(swiglu(gate(n), up(n)))`` for ``h = x + r`` and ``n = rms_norm(h)``: a llama
-    block's second half as one kernel op (float32 decode and verify rows), bitwise what the
-    separate kernels give; None where it does not apply."""
+def mlp_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float, wg, wu, wd) -> mx.array | None:
+    """``h + down(swiglu(gate(n), up(n)))`` for ``h = x + r``, ``n = rms_norm(h)`` as one op (float32
+    decode and verify rows; bitwise the separate kernels); None where it does not apply."""
     ext = _active()
     if (ext is None or x.shape != r.shape or not 0 < rows_of(x) <= MAX_ROWS
             or any(a.dtype != mx.float32 for a in (x, r, norm_weight, wg, wu, wd))):

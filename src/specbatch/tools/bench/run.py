@@ -20,9 +20,8 @@ SUITES = {"plain": basic.suite_plain, "scalar": basic.suite_scalar, "widths": ba
 def machine() -> dict:
     import mlx.core as mx
 
-    from ...blas import active_blas
+    from ...blas import active_blas, blas_core
     from ...kernels import cpu
-    from ...openblas import blas_core
     kernels = cpu.status()
     return {"cpu_kernels": kernels.isa if kernels.active else f"off: {kernels.why}", "platform": platform.platform(), "cpus": os.cpu_count(), "device": str(mx.default_device()),
             "blas": active_blas(), "blas_core": blas_core(), "mlx": mx.__version__, "python": platform.python_version()}
