@@ -24,8 +24,8 @@ def _close(y: mx.array, x: mx.array, w: mx.array) -> None:
 
 @needs_kernels
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 32), k=st.integers(1, 700), n=st.integers(1, 300), seed=st.integers(0, 2**16))
-def test_small_linear_matches_matmul_on_random_shapes(rows, k, n, seed):
+@given(rows=st.integers(1, 90), k=st.integers(1, 700), n=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_small_linear_matches_matmul_on_random_shapes(rows, k, n, seed):  # past 32 rows: the blocked path
     key = mx.random.key(seed)
     x = mx.random.normal((rows, k), key=key)
     w = mx.random.normal((n, k), key=mx.random.split(key)[1])
@@ -34,14 +34,15 @@ def test_small_linear_matches_matmul_on_random_shapes(rows, k, n, seed):
 
 @needs_kernels
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(2, 32), k=st.integers(1, 300), n=st.integers(1, 200), seed=st.integers(0, 2**16))
+@given(rows=st.integers(2, 90), k=st.integers(1, 300), n=st.integers(1, 200), seed=st.integers(0, 2**16))
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n, seed):
     x = mx.random.normal((rows, k), key=mx.random.key(seed))
     w = mx.random.normal((n, k), key=mx.random.key(seed + 1))
-    together = cpu.linear(x, w)
+    linear = cpu.extension().small_linear  # past 32 rows too: a prefill token's bits are a decode step's
+    together = linear(x, w)
     for r in {0, rows // 2, rows - 1}:
-        assert mx.array_equal(cpu.linear(x[r:r + 1], w)[0], together[r]).item()
-        assert mx.array_equal(cpu.linear(x[: r + 1], w)[r], together[r]).item()
+        assert mx.array_equal(linear(x[r:r + 1], w)[0], together[r]).item()
+        assert mx.array_equal(linear(x[: r + 1], w)[r], together[r]).item()
 
 
 @needs_kernels
@@ -57,10 +58,24 @@ def test_batched_strided_and_sliced_inputs():
     _close(cpu.linear(x, ws), x, ws)
 
 
-def test_wide_inputs_other_dtypes_and_empty_use_mlx():
+@pytest.mark.parametrize("on_kernel", ["0", "1"])
+def test_wide_inputs_take_the_kernel_or_the_blas_as_decided(monkeypatch, on_kernel):
+    from specbatch.kernels.cpu import wide
+    monkeypatch.setenv("SPECBATCH_PREFILL_KERNEL", on_kernel)
+    wide.prefill_on_kernel.cache_clear()
     w = mx.random.normal((16, 8))
-    wide = mx.random.normal((cpu.MAX_ROWS + 1, 8))
-    assert mx.allclose(cpu.linear(wide, w), wide @ w.T).item()
+    x = mx.random.normal((cpu.MAX_ROWS + 9, 8))
+    ext = cpu.extension()
+    got = cpu.linear(x, w)
+    if on_kernel == "1" and ext is not None:
+        assert mx.array_equal(got, ext.small_linear(x, w)).item()
+    else:
+        assert mx.array_equal(got, x @ w.T).item()
+    wide.prefill_on_kernel.cache_clear()
+
+
+def test_other_dtypes_and_empty_inputs_use_mlx():
+    w = mx.random.normal((16, 8))
     half = mx.random.normal((2, 8)).astype(mx.float16)
     assert cpu.linear(half, w.astype(mx.float16)).dtype == mx.float16
     assert cpu.linear(mx.zeros((0, 8)), w).shape == (0, 16)
@@ -332,3 +347,22 @@ def test_the_avx2_kernels_pass_the_same_checks():
     probe = subprocess.run([sys.executable, "-c", "import specbatch; from specbatch.kernels import cpu; "
                             "print(cpu.status().isa)"], env=env, capture_output=True, text=True, timeout=120)
     assert probe.stdout.strip() == "avx2", probe.stderr
+
+
+@needs_kernels
+def test_the_wide_linear_probe_measures_once_and_says_what_it_chose(monkeypatch):
+    from specbatch.kernels.cpu import wide
+    monkeypatch.delenv("SPECBATCH_PREFILL_KERNEL", raising=False)
+    wide.prefill_on_kernel.cache_clear()
+    calls = []
+    real = cpu.extension()
+
+    class Counting:  # the extension, counting the probe's kernel calls
+        def small_linear(self, x, w):
+            calls.append(x.shape)
+            return real.small_linear(x, w)
+    ext = Counting()
+    chosen = wide.prefill_on_kernel(ext)
+    assert isinstance(chosen, bool) and calls and all(shape == (256, 576) for shape in calls)
+    assert wide.prefill_on_kernel(ext) is chosen and len(calls) == 6  # warm-up and 5 timed, once
+    wide.prefill_on_kernel.cache_clear()

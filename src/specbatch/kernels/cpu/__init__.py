@@ -28,7 +28,6 @@ of the weights; *small* means at most ``MAX_ROWS`` of them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import os
 import threading
@@ -36,6 +35,8 @@ import threading
 import attrs
 import mlx.core as mx
 import structlog
+
+from .wide import merged_rows_match, prefill_on_kernel, row_blocks, wide_linear  # noqa: F401 (re-exported)
 
 log = structlog.get_logger(__name__)
 
@@ -52,7 +53,6 @@ class KernelStatus:
 
 _loaded: dict = {}
 _off = threading.local()  # inside `disabled()` on this thread
-_blocks = threading.local()  # inside `row_blocks(n)` on this thread
 
 
 @contextlib.contextmanager
@@ -64,38 +64,6 @@ def disabled():
         yield
     finally:
         _off.on = before
-
-
-@contextlib.contextmanager
-def row_blocks(rows: int):
-    """Inside this block a wide ``linear`` whose rows are a multiple of ``rows`` gives each
-    block of ``rows`` the bits a matmul of that block alone gives: one call where this BLAS
-    keeps them (``merged_rows_match``), else a batched matmul over a broadcast weight (one
-    sgemm per block, 10-20% slower), so a merged prefill equals its chunks on any CPU."""
-    before = getattr(_blocks, "rows", 0)
-    _blocks.rows = rows
-    try:
-        yield
-    finally:
-        _blocks.rows = before
-
-
-@functools.lru_cache(maxsize=None)
-def merged_rows_match(chunk: int, big: int, shapes: tuple) -> bool:
-    """Whether ``x[i:i + chunk] @ W.T`` has the bits of those rows of ``x[:big] @ W.T`` at every
-    chunk boundary, for each weight shape ``(out, in)``: probed once a process, since sgemm
-    kernels differ (an AVX-512 OpenBLAS kept them at every size measured; its Zen AVX2
-    kernels kept 48-row chunks of 480 for some shapes only)."""
-    keys = mx.random.split(mx.random.key(0))
-    for out, inp in shapes:
-        w, x = mx.random.normal((out, inp), key=keys[0]), mx.random.normal((big, inp), key=keys[1])
-        full = x @ w.T  # [big, out]
-        for i in range(0, big, chunk):
-            if not mx.array_equal(x[i:i + chunk] @ w.T, full[i:i + chunk]).item():
-                log.info("blas_rows_differ", chunk=chunk, merged=big, shape=(out, inp),
-                         then="one sgemm per chunk")
-                return False
-    return True
 
 
 def _load() -> tuple[object | None, KernelStatus]:
@@ -146,15 +114,12 @@ def _active():
 
 def linear(x: mx.array, weight: mx.array) -> mx.array:
     """``x @ weight.T`` (``x`` [..., K], ``weight`` [N, K]): the small-M kernel where it
-    applies, MLX's matmul (BLAS) for wide inputs, other dtypes and other devices."""
-    ext, rows, block = _active(), rows_of(x), getattr(_blocks, "rows", 0)
-    if (rows > MAX_ROWS and block and rows > block and rows % block == 0 and weight.ndim == 2
-            and not merged_rows_match(block, rows, (tuple(weight.shape),))):
-        n, k = weight.shape
-        w = mx.broadcast_to(weight.T, (rows // block, k, n))  # batched: MLX folds a 2-D weight's batch into M
-        return (x.reshape(rows // block, block, k) @ w).reshape(*x.shape[:-1], n)
-    if (ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32
-            or not 0 < rows <= MAX_ROWS or weight.ndim != 2):
+    applies, wide inputs as :func:`wide.wide_linear` says, MLX's matmul for other dtypes and
+    other devices."""
+    ext, rows = _active(), rows_of(x)
+    if rows > MAX_ROWS:
+        return wide_linear(ext, x, weight, rows)
+    if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or rows == 0 or weight.ndim != 2:
         return x @ weight.T
     return ext.small_linear(x, weight)
 

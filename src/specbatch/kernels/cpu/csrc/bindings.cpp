@@ -21,7 +21,7 @@ namespace mx = mlx::core;
 NB_MODULE(_ext, m) {
   m.doc() = "specbatch's CPU kernels as MLX primitives";
   m.def("small_linear", &specbatch::small_linear, nb::arg("x"), nb::arg("w"),
-        "y = x @ w.T for up to 32 rows of x (float32, CPU), weights read once for all rows");
+        "y = x @ w.T (float32, CPU): weights read once for up to 32 rows, blocked beyond; a row's bits never depend on the others");
   m.def("attention", &specbatch::attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
         nb::arg("mask_kind"), nb::arg("mask"), nb::arg("merge_heads") = false,
         "softmax(q k^T * scale) v over a strided KV; mask_kind '', 'causal' or 'array' (bool mask)");

@@ -1,4 +1,5 @@
-// SmallLinear: y = x @ w.T for up to kMaxRows rows of x, as an MLX primitive (CPU only).
+// SmallLinear: y = x @ w.T as an MLX primitive (CPU only), written for decode and verify rows
+// (up to kMaxRows, the fused ops' limit) and blocked for prefill's wider inputs.
 #pragma once
 
 #include <vector>
@@ -24,7 +25,7 @@ struct Target {
 // blocks of whole cache lines; per element the same sums whatever the split.
 void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets);
 
-// x: [..., K] float32 with at most kMaxRows rows in all; w: [N, K] float32 -> [..., N].
+// x: [..., K] float32 (any number of rows; each row's bits the same whatever the others); w: [N, K] float32 -> [..., N].
 mx::array small_linear(const mx::array& x, const mx::array& w);
 
 class SmallLinear : public mx::UnaryPrimitive {
