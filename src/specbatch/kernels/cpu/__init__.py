@@ -4,7 +4,8 @@ MLX's x86 CPU backend sends every float32 matmul to ``cblas_sgemm``, which at de
 verify shapes (1-32 rows against a weight matrix) reads the weights at a fraction of the
 memory bandwidth. ``small_linear`` streams each weight row once for all rows (AVX2+FMA, or
 AVX-512 where the CPU has it, chosen at run time; threads over output columns); a row's
-result is bitwise the same however many rows share the call.
+result is bitwise the same however many rows share the call; prefill's wider inputs take it
+too where it beats the BLAS (:mod:`.wide`).
 
 The extension (``_ext``, built at install by ``setup.py`` against the pinned MLX) is used
 on the CPU device only. Where it cannot run (not built, built for another MLX, a CPU
