@@ -12,7 +12,7 @@ import ctypes
 import os
 import sys
 
-from .openblas import _MARK, _loaded, active_blas, openblas_path, preload_env, wanted
+from .openblas import _MARK, active_blas, loaded_libraries, openblas_path, preload_env, wanted
 
 __all__ = ["active_blas", "blas_core", "ensure_openblas", "main", "preload_env"]
 
@@ -33,8 +33,9 @@ def ensure_openblas(argv: list[str] | None = None) -> None:
 def blas_core() -> str:
     """The kernels the loaded OpenBLAS runs (its core name; "forced" where the environment's
     ``OPENBLAS_CORETYPE`` chose them: a platform may pin AVX2 kernels on an AVX-512 CPU,
-    which halves prefill's sgemm), or "" where no OpenBLAS is loaded."""
-    for path in _loaded("openblas"):
+    which halves prefill's sgemm), or "" where none is loaded (numpy's own renamed copy,
+    ``libscipy_openblas``, is not the one MLX calls)."""
+    for path in loaded_libraries("libopenblas"):
         try:
             lib = ctypes.CDLL(path)
             lib.openblas_get_corename.restype = ctypes.c_char_p

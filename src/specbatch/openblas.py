@@ -249,7 +249,7 @@ def limit_threads(n: int | None = None) -> int | None:
         env = os.environ.get("OPENBLAS_NUM_THREADS", "")
         n = int(env) if env.isdigit() and int(env) > 0 else cores()
     n = max(1, min(n, cores()))
-    for path in _loaded("openblas"):
+    for path in loaded_libraries("openblas"):
         try:
             lib = ctypes.CDLL(path)
             lib.openblas_set_num_threads(ctypes.c_int(n))
@@ -259,7 +259,7 @@ def limit_threads(n: int | None = None) -> int | None:
     return None
 
 
-def _loaded(word: str) -> list[str]:
+def loaded_libraries(word: str) -> list[str]:
     """Paths of the loaded shared libraries whose name holds ``word``."""
     try:
         with open("/proc/self/maps") as maps:
@@ -287,7 +287,7 @@ def share_cores(env: dict[str, str] | None = None) -> tuple[int, int]:
     blas, kernels = given("OPENBLAS_NUM_THREADS") or n, given("SPECBATCH_CPU_THREADS") or n
     env["SPECBATCH_CPU_THREADS"] = str(kernels)
     limit_threads(blas)
-    for path in _loaded("scipy_openblas"):
+    for path in loaded_libraries("scipy_openblas"):
         try:
             ctypes.CDLL(path).scipy_openblas_set_num_threads64_(ctypes.c_int(1))
         except (OSError, AttributeError):

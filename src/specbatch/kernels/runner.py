@@ -199,7 +199,8 @@ def idle_chunk(chunk: int, shapes: tuple = ()) -> int:
     between rounds cuts) up to IDLE_CHUNK, so the boundaries stay the same, where this BLAS
     gives every chunk the same bits inside the larger forward for the linears' ``shapes``
     (``merged_rows_match``), else ``chunk`` itself; a chunk within the small-M kernels' rows
-    stays as it is (a larger one would switch a token's linears to the BLAS)."""
+    stays as it is (where prefill's linears are on the BLAS, ``cpu.wide``, a larger one would
+    switch a token's linears there)."""
     from .cpu import MAX_ROWS, merged_rows_match
     big = max(chunk, IDLE_CHUNK // chunk * chunk)
     if chunk <= MAX_ROWS or big == chunk:

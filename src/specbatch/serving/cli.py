@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_openblas()
     args = build_parser().parse_args(argv)
     from .. import logs
-    from ..blas import active_blas
+    from ..blas import active_blas, blas_core
     logs.configure(getattr(args, "log_format", "console"), "info" if getattr(args, "verbose", False) else None)
     from ..openblas import limit_threads, share_cores
     # the BLAS never runs more threads than this process's cores; a server's BLAS and CPU
@@ -250,7 +250,6 @@ def main(argv: list[str] | None = None) -> int:
         from ..kernels import cpu
         state = cpu.status()
         kernels = f"specbatch ({state.isa})" if state.active else f"MLX ops ({state.why})"
-        from ..blas import blas_core
         core = blas_core()
         print(f"specbatch: BLAS = {active_blas()}{f' [{core}]' if core else ''} ({threads} threads); "
               f"CPU kernels = {kernels}", file=sys.stderr)

@@ -5,8 +5,8 @@ two RoPEs before its cache update (11 graph nodes a layer); here ``qkv_rope`` is
 writes q, k (rotated) and v in the head layout, and attention writes its heads merged
 (``[B, L, Hq * D]``, the output projection's input). Its ``MLP`` runs two linears where
 ``gate_up`` is one; the block's residual add after attention, the norm after it, the MLP
-and its residual add are one op (``mlp_block``: five graph nodes a layer become one). Per element each gives the bits the separate kernels give, so the layer's output is the
-same. The MLP's activation is the kernels' ``swiglu`` at every width (prefill chunks too),
+and its residual add are one op (``mlp_block``: five graph nodes a layer become one). Per
+element each gives the bits the separate kernels give, so the layer's output is the same. The MLP's activation is the kernels' ``swiglu`` at every width (prefill chunks too),
 so a row's bits never depend on which path its forward took. Anything else (more rows than
 the small-M kernels take, other dtypes, sharded or quantized projections, a RoPE variant
 without the kernel, a quantized cache, per-head norms) takes the module's own call: these
@@ -111,7 +111,7 @@ def block_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
     mlp = self["mlp"]
     layers = (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]) if getattr(type(mlp), "_sb_mlp", False) else ()
     weights = _linears(*layers) if layers else None
-    if weights is not None and "bias" not in layers[0] and "bias" not in layers[1] and "bias" not in layers[2]:
+    if weights is not None and not any("bias" in m for m in layers):
         out = mlp_block(x, r, post["weight"], post.eps, *weights)  # the add, norm and MLP as one op
         if out is not None:
             return out

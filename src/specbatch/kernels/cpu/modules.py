@@ -21,7 +21,7 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import extension, fused, linear, rms_norm, rope, rope_positions
+from . import extension, fused, linear, prefill_on_kernel, rms_norm, rope, rope_positions
 
 _inside = threading.local()  # set while a swapped attention layer runs on this thread
 
@@ -197,4 +197,6 @@ def use_cpu_kernels(model: nn.Module) -> int:
                 else:
                     setattr(child, name, new)
                 swapped += 1
+    if swapped:
+        prefill_on_kernel(extension())  # measured here, once a process: not inside a first prefill's forward
     return swapped

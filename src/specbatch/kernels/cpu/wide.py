@@ -61,8 +61,8 @@ def merged_rows_match(chunk: int, big: int, shapes: tuple) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def prefill_on_kernel(ext) -> bool:
-    """Whether wide linears run on the kernel (``ext.small_linear``): measured once a process,
-    a 256-row product against a 1536 x 576 weight both ways in turn, 5 times; the kernel only at
+    """Whether wide linears run on the kernel (``ext.small_linear``): measured once a process
+    (when a model's layers are swapped, ``use_cpu_kernels``), a 256-row product against a 1536 x 576 weight both ways in turn, 5 times; the kernel only at
     ``MARGIN`` times the BLAS's speed. ``SPECBATCH_PREFILL_KERNEL=1`` / ``0`` decides instead."""
     forced = os.environ.get("SPECBATCH_PREFILL_KERNEL", "")
     if forced in ("0", "1"):

@@ -77,24 +77,25 @@ __attribute__((target("avx512f"))) void tile(const float* x, int K, const float*
     for (int j = 0; j < MB; ++j) y[(long)j * N + i] = sums[i * MB + j];
 }
 
+// One tile pass; a weight tile's first pass over token rows prefetches the tiles ahead.
+template <int NB, int MB>
+__attribute__((target("avx512f"))) inline void pass(bool first, const float* x, int K, const float* w, float* y, int N) {
+  if (first) tile<NB, MB, true>(x, K, w, y, N);
+  else tile<NB, MB, false>(x, K, w, y, N);
+}
+
 // Token rows in tiles of Wide (where there are that many), then 4, then the rest.
 template <int NB, int Wide>
 __attribute__((target("avx512f"))) void rows(const float* x, int M, int K, const float* w, float* y, int N) {
   int m = 0;
-  for (; m + Wide <= M; m += Wide) {
-    if (m == 0) tile<NB, Wide, true>(x, K, w, y, N);
-    else tile<NB, Wide, false>(x + (long)m * K, K, w, y + (long)m * N, N);
-  }
-  for (; m + 4 <= M; m += 4) {
-    if (m == 0) tile<NB, 4, true>(x, K, w, y, N);
-    else tile<NB, 4, false>(x + (long)m * K, K, w, y + (long)m * N, N);
-  }
+  for (; m + Wide <= M; m += Wide) pass<NB, Wide>(m == 0, x + (long)m * K, K, w, y + (long)m * N, N);
+  for (; m + 4 <= M; m += 4) pass<NB, 4>(m == 0, x + (long)m * K, K, w, y + (long)m * N, N);
   const bool first = m == 0;
   x += (long)m * K, y += (long)m * N;
   switch (M - m) {
-    case 3: first ? tile<NB, 3, true>(x, K, w, y, N) : tile<NB, 3, false>(x, K, w, y, N); break;
-    case 2: first ? tile<NB, 2, true>(x, K, w, y, N) : tile<NB, 2, false>(x, K, w, y, N); break;
-    case 1: first ? tile<NB, 1, true>(x, K, w, y, N) : tile<NB, 1, false>(x, K, w, y, N); break;
+    case 3: pass<NB, 3>(first, x, K, w, y, N); break;
+    case 2: pass<NB, 2>(first, x, K, w, y, N); break;
+    case 1: pass<NB, 1>(first, x, K, w, y, N); break;
     default: break;
   }
 }
@@ -119,17 +120,14 @@ __attribute__((target("avx512f"))) void blocked(const float* x, int M, int K, co
     const int b1 = std::min(n1, b0 + kBlockRows);
     for (int m = 0; m < M; m += 8) {
       int n = b0;
-      for (; n + 3 <= b1; n += 3) {
-        if (m == 0) tile<3, 8, true>(x, K, w + (long)n * K, y + n, N);
-        else tile<3, 8, false>(x + (long)m * K, K, w + (long)n * K, y + (long)m * N + n, N);
-      }
+      for (; n + 3 <= b1; n += 3) pass<3, 8>(m == 0, x + (long)m * K, K, w + (long)n * K, y + (long)m * N + n, N);
       for (; n < b1; ++n) tile<1, 8, false>(x + (long)m * K, K, w + (long)n * K, y + (long)m * N + n, N);
     }
   }
 }
 
-// From 8 rows, 3 x 8 tiles (24 accumulators; 11 loads per 24 FMAs against 4 x 4's 8 per 16):
-// one core, interleaved, 30-40% faster at 8 rows and 10-20% at 16, level at 32 and below 8.
+// 8-15 rows in 3 x 8 tiles (24 accumulators; 11 loads per 24 FMAs against 4 x 4's 8 per 16;
+// one core, interleaved: 30-40% faster at 8 rows), fewer in 4 x 4 ones, the rest blocked.
 void tiles(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N) {
   if (M > 32 || (M >= 16 && M % 8 == 0)) return blocked(x, M, K, w, n0, n1, y, N);
   if (M >= 8) return columns<3, 8>(x, M, K, w, n0, n1, y, N);
@@ -138,10 +136,10 @@ void tiles(const float* x, int M, int K, const float* w, int n0, int n1, float* 
 
 }  // namespace
 
-// 3 rows, 5-7 and 12 rows are padded with zero rows to 4, 8 and 16 (prefill rows to a multiple
-// of 8): the weights stream once either
-// way, and the whole tiles ran faster (one core, cold weights, time over 1 row: 3 rows 1.6
-// against 4 rows 1.25, 5-7 rows 1.7-2.3 against 8 rows 1.36). A row's sums are the same.
+// 3, 5-7 and 12 rows are padded with zero rows to 4, 8 and 16, prefill's to a multiple of 8:
+// the weights stream once either way, and whole tiles ran faster (one core, cold weights, time
+// over 1 row: 3 rows 1.6 against 4 rows 1.25, 5-7 rows 1.7-2.3 against 8 rows 1.36). A row's
+// sums are the same.
 void gemv_avx512(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N) {
   const int padded = M == 3 ? 4 : (M > 4 && M < 8) ? 8 : M == 12 ? 16 : M > 32 ? (M + 7) / 8 * 8 : M;
   if (padded == M || n1 <= n0) return tiles(x, M, K, w, n0, n1, y, N);

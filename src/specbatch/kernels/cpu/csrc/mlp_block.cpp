@@ -11,7 +11,6 @@
 #include "mlx/fast.h"
 #include "mlx/ops.h"
 #include "norm.h"
-#include "pool.h"
 #include "strided.h"
 #include "swiglu.h"
 
@@ -53,8 +52,7 @@ void MlpBlock::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     float* g = gu.data();
     float* u = g + static_cast<size_t>(M) * I;
     gemv_all(n.data(), M, K, {{p[3], I, g, I}, {p[4], I, u, I}});
-    auto act = detect_isa() == Isa::avx512 ? swiglu_avx512 : swiglu_avx2;
-    act(g, u, g, static_cast<int64_t>(M) * I);  // in place: each element reads its own two inputs first
+    swiglu_rows(g, u, g, static_cast<int64_t>(M) * I);  // in place
     gemv_all(g, M, I, {{p[5], K, yp, K}});
     for (size_t i = 0; i < h.size(); ++i) yp[i] = h[i] + yp[i];
   });

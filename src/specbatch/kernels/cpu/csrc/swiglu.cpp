@@ -22,6 +22,10 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
   return mx::array(gate.shape(), mx::float32, std::make_shared<Swiglu>(s), {gate, up});
 }
 
+void swiglu_rows(const float* g, const float* u, float* y, int64_t n) {
+  (detect_isa() == Isa::avx512 ? swiglu_avx512 : swiglu_avx2)(g, u, y, n);
+}
+
 void Swiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& g = inputs[0];
   const auto& u = inputs[1];
@@ -34,8 +38,7 @@ void Swiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     std::vector<float> gc, uc;
     const float* gp = row_major(g, gc);
     const float* up = row_major(u, uc);
-    auto body = detect_isa() == Isa::avx512 ? swiglu_avx512 : swiglu_avx2;
-    pool().split(n, 1, 1 << 15, [&](int64_t a, int64_t b) { body(gp + a, up + a, yp + a, b - a); }, 64);
+    pool().split(n, 1, 1 << 15, [&](int64_t a, int64_t b) { swiglu_rows(gp + a, up + a, yp + a, b - a); }, 64);
   });
 }
 

@@ -16,6 +16,8 @@ namespace mx = mlx::core;
 // vector, so every element takes the same path: its result never depends on n or its index).
 void swiglu_avx2(const float* g, const float* u, float* y, int64_t n);
 void swiglu_avx512(const float* g, const float* u, float* y, int64_t n);
+// The same on this CPU's widest kernel (y may be g or u: each element reads both first).
+void swiglu_rows(const float* g, const float* u, float* y, int64_t n);
 
 // gate and up: float32 arrays of one shape (any strides) -> silu(gate) * up.
 mx::array swiglu(const mx::array& gate, const mx::array& up);
