@@ -159,7 +159,8 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
         dequantize_model(model)  # no-op for unquantized models
         model.set_dtype(target_dtype)
     mx.eval(model.parameters())
-    swapped = use_cpu_kernels(model)  # after any dtype change: only float32 layers swap
+    # after any dtype change: only float32 layers swap; frozen weights stored as float16 where exact
+    swapped = use_cpu_kernels(model, half_weights=True)
     loaded = LoadedModel(model, tokenizer, name, _context_length(model, tokenizer))
     log.debug("model_loaded", model=name, layers=loaded.n_layers, vocab=loaded.vocab_size,
               dtype=str(target_dtype), context=loaded.context_length, cpu_kernel_layers=swapped)
@@ -182,9 +183,10 @@ def kv_bytes_per_token(model) -> int:
     head_dim = getattr(args, "head_dim", None) or (args.hidden_size // heads if heads else None)
     if not kv_heads or not head_dim:
         return 0
-    # the KV takes the activations' dtype: a float leaf's (quantized weights are uint32)
+    # the KV takes the activations' dtype: the widest float leaf's (quantized weights are
+    # uint32; half-stored ones float16 beside float32 norms)
     floats = [p for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)]
-    itemsize = floats[0].dtype.size if floats else 4
+    itemsize = max(p.dtype.size for p in floats) if floats else 4
     return 2 * len(model.layers) * kv_heads * head_dim * itemsize
 
 

@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -57,12 +57,15 @@ def tiny_config(arch: str = "llama", *, vocab: int = 512, hidden: int = 64, laye
     return base
 
 
-def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **shape) -> Path:
-    """Write a random-weight mlx-lm model folder (config, safetensors, tokenizer) to ``out``."""
+def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, half_values: bool = False, **shape) -> Path:
+    """Write a random-weight mlx-lm model folder (config, safetensors, tokenizer) to ``out``;
+    ``half_values``: every float32 weight rounded to a float16 value, as a dequantized GGUF's are."""
     config = tiny_config(arch, **shape)
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
+    if half_values:
+        model.update(tree_map(lambda p: p.astype(mx.float16).astype(mx.float32), model.parameters()))
     mx.eval(model.parameters())
     out = Path(out)
     write_tokenizer(out, vocab=config["vocab_size"])

@@ -37,6 +37,7 @@ import attrs
 import mlx.core as mx
 import structlog
 
+from .half import weight_ok
 from .wide import merged_rows_match, prefill_on_kernel, row_blocks, wide_linear  # noqa: F401 (re-exported)
 
 log = structlog.get_logger(__name__)
@@ -120,7 +121,7 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
     ext, rows = _active(), rows_of(x)
     if rows > MAX_ROWS:
         return wide_linear(ext, x, weight, rows)
-    if ext is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or rows == 0 or weight.ndim != 2:
+    if ext is None or x.dtype != mx.float32 or not weight_ok(ext, weight) or rows == 0 or weight.ndim != 2:
         return x @ weight.T
     return ext.small_linear(x, weight)
 
@@ -205,7 +206,8 @@ def mlp_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float, wg, w
     decode and verify rows; bitwise the separate kernels); None where it does not apply."""
     ext = _active()
     if (ext is None or x.shape != r.shape or not 0 < rows_of(x) <= MAX_ROWS
-            or any(a.dtype != mx.float32 for a in (x, r, norm_weight, wg, wu, wd))):
+            or any(a.dtype != mx.float32 for a in (x, r, norm_weight))
+            or not all(weight_ok(ext, w) for w in (wg, wu, wd))):
         return None
     return ext.mlp_block(x, r, norm_weight, eps, wg, wu, wd)
 

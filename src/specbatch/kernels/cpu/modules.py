@@ -21,7 +21,7 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import extension, fused, linear, prefill_on_kernel, rms_norm, rope, rope_positions
+from . import extension, fused, half, linear, prefill_on_kernel, rms_norm, rope, rope_positions
 
 _inside = threading.local()  # set while a swapped attention layer runs on this thread
 
@@ -50,8 +50,11 @@ class FastEmbedding(nn.Embedding):
         nn.Module.__init__(self)
         self.weight = weight  # [vocab, dims]
 
+    def __call__(self, x: mx.array) -> mx.array:
+        return half.widened(self["weight"][x])  # the rows looked up, widened: float32 activations
+
     def as_linear(self, x: mx.array) -> mx.array:
-        return linear(x, self.weight)
+        return linear(x, self["weight"])
 
 
 def _wrap_sdpa(module_name: str) -> bool:
@@ -176,12 +179,14 @@ def _swap(module: nn.Module) -> nn.Module | None:
     return None
 
 
-def use_cpu_kernels(model: nn.Module) -> int:
+def use_cpu_kernels(model: nn.Module, half_weights: bool = False) -> int:
     """Swap ``model``'s float32 ``nn.Linear``/``nn.Embedding`` children in place; returns how
-    many were swapped (0 where the kernels are inactive: the model is left as it was)."""
+    many were swapped (0 where the kernels are inactive: the model is left as it was).
+    ``half_weights``: store each swapped weight as float16 where that is exact (:mod:`.half`;
+    for frozen models: a trained head's optimizer would then step in float16)."""
     if extension() is None:
         return 0
-    swapped = 0
+    swapped, fast = 0, []
     for _, child in model.named_modules():
         swapped += _swap_attention(child) or _swap_norm_or_rope(child)
     for _, child in model.named_modules():
@@ -197,6 +202,8 @@ def use_cpu_kernels(model: nn.Module) -> int:
                 else:
                     setattr(child, name, new)
                 swapped += 1
+                fast.append(new)
+    stored = half.store_half(extension(), fast) if half_weights else 0
     if swapped:
-        prefill_on_kernel(extension())  # measured here, once a process: not inside a first prefill's forward
+        prefill_on_kernel(extension(), stored > 0)  # measured here, once a process: not inside a first prefill's forward
     return swapped

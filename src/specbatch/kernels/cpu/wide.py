@@ -21,6 +21,8 @@ import time
 import mlx.core as mx
 import structlog
 
+from .half import weight_ok, widened
+
 log = structlog.get_logger(__name__)
 
 _blocks = threading.local()  # inside `row_blocks(n)` on this thread
@@ -60,27 +62,30 @@ def merged_rows_match(chunk: int, big: int, shapes: tuple) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def prefill_on_kernel(ext) -> bool:
+def prefill_on_kernel(ext, half_stored: bool = False) -> bool:
     """Whether wide linears run on the kernel (``ext.small_linear``): measured once a process
-    (when a model's layers are swapped, ``use_cpu_kernels``), a 256-row product against a 1536 x 576 weight both ways in turn, 5 times; the kernel only at
-    ``MARGIN`` times the BLAS's speed. ``SPECBATCH_PREFILL_KERNEL=1`` / ``0`` decides instead."""
+    and weight dtype (when a model's layers are swapped, ``use_cpu_kernels``), a 256-row
+    product against a 1536 x 576 weight both ways in turn, 5 times (``half_stored``: the
+    weight float16, which the BLAS arm widens first, as :func:`wide_linear` does); the kernel
+    only at ``MARGIN`` times the BLAS's speed. ``SPECBATCH_PREFILL_KERNEL=1`` / ``0`` decides instead."""
     forced = os.environ.get("SPECBATCH_PREFILL_KERNEL", "")
     if forced in ("0", "1"):
         return forced == "1"
     keys = mx.random.split(mx.random.key(1))
     x, w = mx.random.normal((256, 576), key=keys[0]), mx.random.normal((1536, 576), key=keys[1])
-    mx.eval(x, w, ext.small_linear(x, w), x @ w.T)  # warm both
+    w = w.astype(mx.float16) if half_stored else w
+    mx.eval(x, w, ext.small_linear(x, w), x @ widened(w).T)  # warm both
     kernel, blas = [], []
     for _ in range(5):
         t0 = time.perf_counter()
         mx.eval(ext.small_linear(x, w))
         kernel.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        mx.eval(x @ w.T)
+        mx.eval(x @ widened(w).T)
         blas.append(time.perf_counter() - t0)
     chosen = min(blas) >= MARGIN * min(kernel)
     log.info("prefill_linears", on="kernel" if chosen else "blas", kernel_ms=round(min(kernel) * 1e3, 3),
-             blas_ms=round(min(blas) * 1e3, 3))
+             blas_ms=round(min(blas) * 1e3, 3), weights="float16" if half_stored else "float32")
     return chosen
 
 
@@ -88,9 +93,10 @@ def wide_linear(ext, x: mx.array, weight: mx.array, rows: int) -> mx.array:
     """``x @ weight.T`` for more rows than the small-M kernel's: the kernel where it is the
     faster (float32, ``prefill_on_kernel``), else the BLAS, each ``row_blocks`` block apart
     where this BLAS would change its bits inside the larger product."""
-    if (ext is not None and x.dtype == mx.float32 and weight.dtype == mx.float32 and weight.ndim == 2
-            and prefill_on_kernel(ext)):
+    if (ext is not None and x.dtype == mx.float32 and weight_ok(ext, weight) and weight.ndim == 2
+            and prefill_on_kernel(ext, weight.dtype == mx.float16)):
         return ext.small_linear(x, weight)
+    weight = widened(weight)  # a half-stored weight: the BLAS multiplies its exact float32 values
     block = getattr(_blocks, "rows", 0)
     if (block and rows > block and rows % block == 0 and weight.ndim == 2
             and not merged_rows_match(block, rows, (tuple(weight.shape),))):

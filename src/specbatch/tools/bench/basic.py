@@ -24,7 +24,7 @@ def suite_plain(ctx) -> dict:
         for _ in range(ctx.repeats):
             samples["specbatch"].append(engine_tok_s(engine, prompts[:width], ctx.tokens))
             samples["paged"].append(engine_tok_s(paged, prompts[:width], ctx.tokens))
-            samples["mlx_lm"].append(mlx_lm_batch_tok_s(ctx.target.model, prompts[:width], ctx.tokens))
+            samples["mlx_lm"].append(mlx_lm_batch_tok_s(ctx.mlx_lm_model, prompts[:width], ctx.tokens))
         m = _median_rows(samples)
         rows.append({"width": width, "specbatch_tok_s": m["specbatch"], "paged_tok_s": m["paged"],
                      "mlx_lm_tok_s": m["mlx_lm"], "ratio": m["specbatch"] / m["mlx_lm"],
@@ -58,7 +58,7 @@ def suite_scalar(ctx) -> dict:
             samples["batch_greedy"].append(_forced_batch_tok_s(greedy, prompt[0], ctx.tokens, temp))
             acc.setdefault("batch_greedy", []).append(acceptance(before, greedy.stats()))
             if temp == 0.0 and hasattr(ctx.drafter, "model"):
-                samples["mlx_lm_spec"].append(mlx_lm_spec_tok_s(ctx.target.model, ctx.drafter.model, prompt[0],
+                samples["mlx_lm_spec"].append(mlx_lm_spec_tok_s(ctx.mlx_lm_model, ctx.drafter.model, prompt[0],
                                                                 ctx.tokens, k))
         m = _median_rows({n: v for n, v in samples.items() if v})
         a = statistics.median(acc["coupled"])

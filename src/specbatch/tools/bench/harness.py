@@ -9,6 +9,7 @@ timings. Suites live beside this module (``basic``, ``serving``, ``http``, ``sha
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -145,6 +146,17 @@ class Context:
         self.request_timeout = 120.0  # seconds a serving request may take before it is cut
         self.long_prompt_tokens, self.long_arrivals = 2000, 2  # long_prompts: prompts arriving while streams decode
         self._engines = []
+
+    @functools.cached_property
+    def mlx_lm_model(self):
+        """The target as mlx-lm runs it, weights float32: ours may be half-stored
+        (``kernels.cpu.half``), and MLX's own ops would widen those at every call."""
+        from ...kernels.cpu.half import float32_kept, half_stored
+        from ...kernels.models import load
+        if not half_stored(self.target.model):
+            return self.target.model
+        with float32_kept():
+            return load(self.target.name).model
 
     def engine(self, **overrides) -> Engine:
         import attrs

@@ -1,13 +1,15 @@
 """``bench --suite kernels``: the CPU kernels against the machine's physical limit and
 against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
 
-- the weight-streaming bound: every float32 weight matrix's bytes (the tied head included)
-  over the read bandwidth a one-row sgemv probe reaches on a stack of the same shapes;
+- the weight-streaming bound: the bytes of every weight matrix as stored (the tied head
+  included; float16 where half-stored, ``kernels.cpu.half``) over the read bandwidth a
+  one-row sgemv probe reaches on a float32 stack of the same shapes;
 - forward of ``rows x positions`` tokens over a 128-token context (decode steps at widths
-  1-16, verifies of 2-16 positions at width 1), kernels on and off, every case in turn
-  within each repeat, and what each step reaches of the bound;
+  1-16, verifies of 2-16 positions at width 1), kernels on and off (off: MLX's ops on the
+  float32 weights mlx-lm runs), every case in turn within each repeat, and what each step
+  reaches of the bound;
 - time to first token of a ~1,400-token chat prompt: our engine (chunked prefill) against
-  mlx-lm's ``stream_generate`` on MLX's ops.
+  mlx-lm's ``stream_generate`` on MLX's ops (float32 weights).
 """
 
 from __future__ import annotations
@@ -26,17 +28,20 @@ CONTEXT = 128
 SHAPES = [(1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (1, 16), (4, 1), (8, 1), (16, 1), (4, 5)]  # (rows, positions)
 
 
-def weight_bytes(model) -> int:
+def _matrices(model) -> list:
     import mlx.nn as nn
-    return sum(m.weight.nbytes for _, m in model.named_modules()
-               if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dtype == mx.float32)
+    return [m.weight for _, m in model.named_modules()
+            if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dtype in (mx.float32, mx.float16)]
+
+
+def weight_bytes(model) -> int:
+    """What a decode step must read: every weight matrix's bytes as stored."""
+    return sum(w.nbytes for w in _matrices(model))
 
 
 def sgemv_probe(model, repeats: int = 5) -> float:
-    """Read bandwidth (GB/s) of numpy's sgemv over a copy of the model's weight matrices."""
-    import mlx.nn as nn
-    mats = [np.array(m.weight) for _, m in model.named_modules()
-            if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dtype == mx.float32]
+    """Read bandwidth (GB/s) of numpy's sgemv over a float32 copy of the model's weight matrices."""
+    mats = [np.array(w.astype(mx.float32)) for w in _matrices(model)]
     xs = {w.shape[1]: np.ones(w.shape[1], np.float32) for w in mats}
     best = float("inf")
     for _ in range(repeats):
@@ -47,18 +52,20 @@ def sgemv_probe(model, repeats: int = 5) -> float:
     return sum(w.nbytes for w in mats) / best / 1e9
 
 
-def forward_times(model, shapes: list[tuple[int, int]], repeats: int, mlx_ops: bool = True) -> dict:
+def forward_times(model, shapes: list[tuple[int, int]], repeats: int, mlx_ops: bool = True, baseline=None) -> dict:
     """Median ms of one forward of ``rows x positions`` tokens after CONTEXT tokens of KV, for
-    each shape with the kernels on (and off, MLX's ops, where ``mlx_ops``), keyed
-    ``(rows, positions, on)``.
+    each shape with the kernels on (and off, MLX's ops on ``baseline`` or ``model``, where
+    ``mlx_ops``), keyed ``(rows, positions, on)``.
     Every repeat runs each case once in turn, so the ratios between shapes are taken side by
     side (a noisy VM drifts by 10-30% over the minutes one shape at a time would take)."""
     from mlx_lm.models.cache import make_prompt_cache
     cases = [(r, n, on) for r, n in shapes for on in ((True, False) if mlx_ops else (True,))]
+    models = {True: model, False: model if baseline is None else baseline}
     caches = {}
     for case in cases:
-        caches[case] = make_prompt_cache(model)
-        mx.eval(model(mx.full((case[0], CONTEXT), 100, dtype=mx.int32), cache=caches[case]))
+        caches[case] = make_prompt_cache(models[case[2]])
+        with contextlib.nullcontext() if case[2] else cpu.disabled():
+            mx.eval(models[case[2]](mx.full((case[0], CONTEXT), 100, dtype=mx.int32), cache=caches[case]))
     times = {case: [] for case in cases}
     for _ in range(repeats + 2):
         for case in cases:
@@ -66,7 +73,7 @@ def forward_times(model, shapes: list[tuple[int, int]], repeats: int, mlx_ops: b
             step = mx.full((rows, positions), 200, dtype=mx.int32)
             with contextlib.nullcontext() if on else cpu.disabled():
                 t0 = time.perf_counter()
-                mx.eval(model(step, cache=caches[case]))
+                mx.eval(models[on](step, cache=caches[case]))
                 times[case].append(time.perf_counter() - t0)
             for c in caches[case]:
                 c.trim(positions)
@@ -84,7 +91,7 @@ def ttft_s(ctx, prompt: list[int]) -> dict:
         ours.append(time.perf_counter() - t0)
         with cpu.disabled():
             t0 = time.perf_counter()
-            next(iter(stream_generate(ctx.target.model, ctx.target.tokenizer, prompt, max_tokens=1)))
+            next(iter(stream_generate(ctx.mlx_lm_model, ctx.target.tokenizer, prompt, max_tokens=1)))
             theirs.append(time.perf_counter() - t0)
     return {"specbatch_s": statistics.median(ours), "mlx_lm_s": statistics.median(theirs)}
 
@@ -96,7 +103,7 @@ def suite_kernels(ctx) -> dict:
     probe = sgemv_probe(model)
     bound_ms = total / probe / 1e6
     repeats = max(15, 5 * ctx.repeats)  # ~1 s a repeat; 5-9 left 3 positions above 4 on a noisy VM
-    times = forward_times(model, SHAPES, repeats)
+    times = forward_times(model, SHAPES, repeats, baseline=ctx.mlx_lm_model)
     base_on, base_off = times[(1, 1, True)], times[(1, 1, False)]
     rows = []
     for r, n in SHAPES:
@@ -110,7 +117,8 @@ def suite_kernels(ctx) -> dict:
     rows.append({"rows": 1, "positions": len(prompt), "ttft_specbatch_s": ttft["specbatch_s"],
                  "ttft_mlx_lm_s": ttft["mlx_lm_s"], "speedup": ttft["mlx_lm_s"] / ttft["specbatch_s"]})
     return {"kernels": {"active": state.active, "isa": state.isa, "why": state.why},
-            "weight_bytes": total, "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "rows": rows}
+            "weight_bytes": total, "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
+            "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "rows": rows}
 
 
 SUITES = {"kernels": suite_kernels}

@@ -21,7 +21,7 @@ namespace mx = mlx::core;
 NB_MODULE(_ext, m) {
   m.doc() = "specbatch's CPU kernels as MLX primitives";
   m.def("small_linear", &specbatch::small_linear, nb::arg("x"), nb::arg("w"),
-        "y = x @ w.T (float32, CPU): weights read once for up to 32 rows, blocked beyond; a row's bits never depend on the others");
+        "y = x @ w.T (x float32, w float32 or float16; CPU): weights read once for up to 32 rows, blocked beyond; a row's bits never depend on the others");
   m.def("attention", &specbatch::attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
         nb::arg("mask_kind"), nb::arg("mask"), nb::arg("merge_heads") = false,
         "softmax(q k^T * scale) v over a strided KV; mask_kind '', 'causal' or 'array' (bool mask)");
@@ -56,6 +56,8 @@ NB_MODULE(_ext, m) {
   m.def("gumbel", &specbatch::gumbel, nb::arg("seeds"), nb::arg("positions"), nb::arg("vocab"),
         "Gumbel noise [B, N, vocab] keyed by (seed, position, token), one op");
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
+  m.def("half_weights", &specbatch::half_weights_supported,
+        "whether the linears take float16 weights (widened exactly as they stream)");
   m.def("threads", [] { return specbatch::pool().size(); });
   // the MLX this was compiled against; the loader refuses to run beside another one
   m.attr("built_for_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) +

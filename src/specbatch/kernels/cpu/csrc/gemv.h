@@ -3,6 +3,8 @@
 // split, so a row's result is bitwise the same however many rows share the call.
 #pragma once
 
+#include <cstdint>
+
 namespace specbatch {
 
 enum class Isa { none, avx2, avx512 };
@@ -10,8 +12,14 @@ enum class Isa { none, avx2, avx512 };
 Isa detect_isa();
 const char* isa_name(Isa isa);
 
+// Whether the CPU widens float16 weights (F16C; every AVX-512 CPU has it).
+bool half_weights_supported();
+
 // Rows [n0, n1) of the output columns; x is [M, K], w is [N, K], y is [M, N] (row-major).
+// Weights float32, or float16 (IEEE half bits) widened exactly as they are read.
 void gemv_avx2(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N);
+void gemv_avx2(const float* x, int M, int K, const uint16_t* w, int n0, int n1, float* y, int N);
 void gemv_avx512(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N);
+void gemv_avx512(const float* x, int M, int K, const uint16_t* w, int n0, int n1, float* y, int N);
 
 }  // namespace specbatch

@@ -1,6 +1,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "gemv.h"
@@ -19,6 +21,21 @@ __attribute__((target("avx2,fma"))) inline __m256i tail_mask(int r) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(r), lanes);
 }
 
+// 8 weights widened to float32 (float16 converts exactly: see gemv_avx512.cpp); F16C comes
+// with every AVX2 CPU made, and half weights are only handed over where the CPU reports it.
+__attribute__((target("avx2,fma"))) inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load_w(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+__attribute__((target("avx2,fma"))) inline __m256 load_w_tail(const float* p, int r) {
+  return _mm256_maskload_ps(p, tail_mask(r));
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load_w_tail(const uint16_t* p, int r) {
+  alignas(16) uint16_t buf[8] = {};
+  std::memcpy(buf, p, sizeof(uint16_t) * r);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+}
+
 __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -28,15 +45,16 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
 
 // acc[i][j] += sum over k in [k0, k1) of w row i * x row j, in k order (the lane split and
 // the masked tail the same wherever a range starts), optionally prefetching the weights ahead.
-template <int NB, int MB, bool Prefetch>
-__attribute__((target("avx2,fma"), always_inline)) inline void accumulate(const float* x, int K, const float* w,
+template <int NB, int MB, bool Prefetch, typename W>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void accumulate(const float* x, int K, const W* w,
                                                                           int k0, int k1, __m256 (&acc)[NB][MB]) {
   int k = k0;
   for (; k + 8 <= k1; k += 8) {
     __m256 wv[NB];
     for (int i = 0; i < NB; ++i) {
-      wv[i] = _mm256_loadu_ps(w + (long)i * K + k);
-      if (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (long)(NB * kAheadTiles + i) * K + k), _MM_HINT_T0);
+      wv[i] = load_w(w + (long)i * K + k);
+      if (Prefetch && (sizeof(W) == 4 || k % 32 == 0))  // half weights: once per 64-byte line
+        _mm_prefetch(reinterpret_cast<const char*>(w + (long)(NB * kAheadTiles + i) * K + k), _MM_HINT_T0);
     }
     for (int j = 0; j < MB; ++j) {
       __m256 xv = _mm256_loadu_ps(x + (long)j * K + k);
@@ -46,7 +64,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void accumulate(const 
   if (k < k1) {  // K's tail (only the last range has one)
     const __m256i mask = tail_mask(k1 - k);
     __m256 wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = _mm256_maskload_ps(w + (long)i * K + k, mask);
+    for (int i = 0; i < NB; ++i) wv[i] = load_w_tail(w + (long)i * K + k, k1 - k);
     for (int j = 0; j < MB; ++j) {
       __m256 xv = _mm256_maskload_ps(x + (long)j * K + k, mask);
       for (int i = 0; i < NB; ++i) acc[i][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][j]);
@@ -55,8 +73,8 @@ __attribute__((target("avx2,fma"), always_inline)) inline void accumulate(const 
 }
 
 // NB weight rows x MB token rows per tile: 8 accumulators, 4 weight and 1 x register.
-template <int NB, int MB>
-__attribute__((target("avx2,fma"))) void tile(const float* x, int K, const float* w, float* y, int N) {
+template <int NB, int MB, typename W>
+__attribute__((target("avx2,fma,f16c"))) void tile(const float* x, int K, const W* w, float* y, int N) {
   __m256 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -65,8 +83,8 @@ __attribute__((target("avx2,fma"))) void tile(const float* x, int K, const float
     for (int j = 0; j < MB; ++j) y[(long)j * N + i] = hsum(acc[i][j]);
 }
 
-template <int NB>
-__attribute__((target("avx2,fma"))) void rows(const float* x, int M, int K, const float* w, float* y, int N) {
+template <int NB, typename W>
+__attribute__((target("avx2,fma,f16c"))) void rows(const float* x, int M, int K, const W* w, float* y, int N) {
   int m = 0;
   for (; m + 2 <= M; m += 2) tile<NB, 2>(x + (long)m * K, K, w, y + (long)m * N, N);
   if (m < M) tile<NB, 1>(x + (long)m * K, K, w, y + (long)m * N, N);
@@ -79,8 +97,8 @@ __attribute__((target("avx2,fma"))) void rows(const float* x, int M, int K, cons
 // Measured here (Zen 3, 2 threads, 30 layers' linears): M=8 55 -> 46 ms, 16 79 -> 60, 32 130 -> 86.
 constexpr int kBlock = 192;
 
-template <int NB, int MB, bool Prefetch>
-__attribute__((target("avx2,fma"))) void tile_block(const float* x, int K, const float* w, int k0, int k1,
+template <int NB, int MB, bool Prefetch, typename W>
+__attribute__((target("avx2,fma,f16c"))) void tile_block(const float* x, int K, const W* w, int k0, int k1,
                                                      float* acc_mem) {
   __m256 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
@@ -91,15 +109,15 @@ __attribute__((target("avx2,fma"))) void tile_block(const float* x, int K, const
 }
 
 // Row tile at m of `tile_block`, the first of each block prefetching the weights ahead.
-template <int NB, int MB>
-__attribute__((target("avx2,fma"))) void block_tile(const float* x, int m, int K, const float* w, int k0, int k1,
+template <int NB, int MB, typename W>
+__attribute__((target("avx2,fma,f16c"))) void block_tile(const float* x, int m, int K, const W* w, int k0, int k1,
                                                      float* acc) {
   if (m == 0) return tile_block<NB, MB, true>(x, K, w, k0, k1, acc);
   tile_block<NB, MB, false>(x + (long)m * K, K, w, k0, k1, acc + m * NB * 8);
 }
 
-template <int NB>
-__attribute__((target("avx2,fma"))) void rows_blocked(const float* x, int M, int K, const float* w, float* y, int N) {
+template <int NB, typename W>
+__attribute__((target("avx2,fma,f16c"))) void rows_blocked(const float* x, int M, int K, const W* w, float* y, int N) {
   static thread_local std::vector<float> acc;
   acc.assign(static_cast<size_t>(M) * NB * 8, 0.0f);  // tile at m: [NB][rows of the tile][8 lanes]
   const int tail = M % 4, full = M - tail;
@@ -117,9 +135,8 @@ __attribute__((target("avx2,fma"))) void rows_blocked(const float* x, int M, int
   }
 }
 
-}  // namespace
-
-void gemv_avx2(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N) {
+template <typename W>
+void gemv(const float* x, int M, int K, const W* w, int n0, int n1, float* y, int N) {
   int n = n0;
   // 3 rows (a k = 2 verify) too: 2 + 1 row tiles read each weight row twice (best of 5 here,
   // K = 1536: 0.20 -> 0.16 ms, as fast as 4 rows; K = 576 level).
@@ -130,6 +147,15 @@ void gemv_avx2(const float* x, int M, int K, const float* w, int n0, int n1, flo
   }
   for (; n + 4 <= n1; n += 4) rows<4>(x, M, K, w + (long)n * K, y + n, N);
   for (; n < n1; ++n) rows<1>(x, M, K, w + (long)n * K, y + n, N);
+}
+
+}  // namespace
+
+void gemv_avx2(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N) {
+  gemv(x, M, K, w, n0, n1, y, N);
+}
+void gemv_avx2(const float* x, int M, int K, const uint16_t* w, int n0, int n1, float* y, int N) {
+  gemv(x, M, K, w, n0, n1, y, N);
 }
 
 }  // namespace specbatch

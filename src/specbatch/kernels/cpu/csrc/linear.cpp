@@ -34,9 +34,23 @@ const char* isa_name(Isa isa) {
   }
 }
 
+bool half_weights_supported() {
+  __builtin_cpu_init();
+  return detect_isa() == Isa::avx512 || (detect_isa() == Isa::avx2 && __builtin_cpu_supports("f16c"));
+}
+
+bool weight_dtype_ok(const mx::array& w) {
+  return w.dtype() == mx::float32 || (w.dtype() == mx::float16 && half_weights_supported());
+}
+
+Weights weights_of(const mx::array& w, WeightCopy& copy) {
+  if (w.dtype() == mx::float16) return {row_major(w, copy.h), true};
+  return {row_major(w, copy.f), false};
+}
+
 mx::array small_linear(const mx::array& x, const mx::array& w) {
-  if (x.dtype() != mx::float32 || w.dtype() != mx::float32)
-    throw std::invalid_argument("small_linear: float32 inputs only");
+  if (x.dtype() != mx::float32 || !weight_dtype_ok(w))
+    throw std::invalid_argument("small_linear: float32 x, float32 or float16 w");
   if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1))
     throw std::invalid_argument("small_linear: x [..., K] and w [N, K] expected");
   if (detect_isa() == Isa::none) throw std::runtime_error("small_linear: the CPU lacks AVX2/FMA");
@@ -59,17 +73,25 @@ void SmallLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
   const int M = static_cast<int>(x.size() / std::max(1, K));
   encoder.dispatch([x, w, yp = out.data<float>(), M, K, N]() {
     if (M == 0 || N == 0) return;
-    std::vector<float> xc, wc;
+    std::vector<float> xc;
+    WeightCopy wc;
     const float* xp = row_major(x, xc);
-    const float* wp = row_major(w, wc);
-    gemv_all(xp, M, K, {{wp, N, yp, N}});
+    gemv_all(xp, M, K, {{weights_of(w, wc), N, yp, N}});
   });
 }
 
 void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) {
   int N = 0;
   for (const auto& t : targets) N += t.rows;
-  auto kernel = detect_isa() == Isa::avx512 ? gemv_avx512 : gemv_avx2;
+  const bool wide = detect_isa() == Isa::avx512;
+  auto kernel = [wide](const float* x, int M, int K, const Weights& w, int a, int b, float* y, int ldy) {
+    if (w.half) {
+      const auto* h = static_cast<const uint16_t*>(w.data);
+      return wide ? gemv_avx512(x, M, K, h, a, b, y, ldy) : gemv_avx2(x, M, K, h, a, b, y, ldy);
+    }
+    const auto* f = static_cast<const float*>(w.data);
+    wide ? gemv_avx512(x, M, K, f, a, b, y, ldy) : gemv_avx2(x, M, K, f, a, b, y, ldy);
+  };
   auto& p = pool();
   // contiguous column blocks, a multiple of 16 rows of w each (whole cache lines of y)
   const int parts = std::min(p.size(), std::max(1, N / 64));

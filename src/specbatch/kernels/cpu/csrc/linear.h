@@ -2,6 +2,7 @@
 // (up to kMaxRows, the fused ops' limit) and blocked for prefill's wider inputs.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "mlx/array.h"
@@ -13,9 +14,27 @@ namespace mx = mlx::core;
 
 constexpr int kMaxRows = 32;
 
+// A weight matrix's row-major elements as stored: float32, or float16 (`half`), which the
+// kernels widen exactly as they read it (half the bytes streamed, the same sums).
+struct Weights {
+  const void* data = nullptr;
+  bool half = false;
+};
+
+// Where a strided weight's row-major copy lives while a kernel runs.
+struct WeightCopy {
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+};
+
+// float32, or float16 where the CPU widens it (F16C): the weight dtypes the kernels take.
+bool weight_dtype_ok(const mx::array& w);
+// w's elements: its own buffer where row-contiguous, else a copy in `copy`.
+Weights weights_of(const mx::array& w, WeightCopy& copy);
+
 // One weight matrix of a pool pass: y[m * ldy + n] = x[m] . w[n] for n < rows.
 struct Target {
-  const float* w;  // [rows, K]
+  Weights w;  // [rows, K]
   int rows;
   float* y;  // [M, ldy]
   int ldy;
@@ -25,7 +44,8 @@ struct Target {
 // blocks of whole cache lines; per element the same sums whatever the split.
 void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets);
 
-// x: [..., K] float32 (any number of rows; each row's bits the same whatever the others); w: [N, K] float32 -> [..., N].
+// x: [..., K] float32 (any number of rows; each row's bits the same whatever the others);
+// w: [N, K] float32 or float16 -> [..., N] float32.
 mx::array small_linear(const mx::array& x, const mx::array& w);
 
 class SmallLinear : public mx::UnaryPrimitive {

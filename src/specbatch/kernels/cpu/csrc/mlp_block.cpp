@@ -18,8 +18,10 @@ namespace specbatch {
 
 mx::array mlp_block(const mx::array& x, const mx::array& r, const mx::array& norm, float eps, const mx::array& wg,
                     const mx::array& wu, const mx::array& wd) {
-  for (const auto* a : {&x, &r, &norm, &wg, &wu, &wd})
-    if (a->dtype() != mx::float32) throw std::invalid_argument("mlp_block: float32 inputs only");
+  for (const auto* a : {&x, &r, &norm})
+    if (a->dtype() != mx::float32) throw std::invalid_argument("mlp_block: float32 x, r and norm");
+  for (const auto* w : {&wg, &wu, &wd})
+    if (!weight_dtype_ok(*w)) throw std::invalid_argument("mlp_block: float32 or float16 weights");
   if (x.ndim() < 1 || x.shape() != r.shape()) throw std::invalid_argument("mlp_block: x and r [..., K] alike");
   const int K = x.shape(-1);
   if (norm.ndim() != 1 || norm.shape(0) != K || wg.ndim() != 2 || wg.shape() != wu.shape() || wg.shape(1) != K ||
@@ -43,17 +45,19 @@ void MlpBlock::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   for (const auto& in : inputs) weak.push_back(mx::array::unsafe_weak_copy(in));
   encoder.dispatch([in = std::move(weak), yp = out.data<float>(), M, K, I, eps = eps_]() {
     if (M == 0 || K == 0) return;
-    std::vector<float> copies[6];
-    const float* p[6];
-    for (int i = 0; i < 6; ++i) p[i] = row_major(in[i], copies[i]);
+    std::vector<float> copies[3];
+    const float* p[3];
+    for (int i = 0; i < 3; ++i) p[i] = row_major(in[i], copies[i]);
+    WeightCopy wc[3];
+    const Weights wg = weights_of(in[3], wc[0]), wu = weights_of(in[4], wc[1]), wd = weights_of(in[5], wc[2]);
     std::vector<float> h(static_cast<size_t>(M) * K), n(h.size()), gu(static_cast<size_t>(M) * I * 2);
     for (size_t i = 0; i < h.size(); ++i) h[i] = p[0][i] + p[1][i];
     for (int m = 0; m < M; ++m) norm_row(h.data() + static_cast<size_t>(m) * K, p[2], n.data() + static_cast<size_t>(m) * K, K, eps);
     float* g = gu.data();
     float* u = g + static_cast<size_t>(M) * I;
-    gemv_all(n.data(), M, K, {{p[3], I, g, I}, {p[4], I, u, I}});
+    gemv_all(n.data(), M, K, {{wg, I, g, I}, {wu, I, u, I}});
     swiglu_rows(g, u, g, static_cast<int64_t>(M) * I);  // in place
-    gemv_all(g, M, I, {{p[5], K, yp, K}});
+    gemv_all(g, M, I, {{wd, K, yp, K}});
     for (size_t i = 0; i < h.size(); ++i) yp[i] = h[i] + yp[i];
   });
 }

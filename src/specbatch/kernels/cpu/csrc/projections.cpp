@@ -19,8 +19,8 @@ namespace {
 void check(const mx::array& x, const std::vector<const mx::array*>& ws) {
   if (x.dtype() != mx::float32 || x.ndim() < 1) throw std::invalid_argument("projections: float32 x [..., K]");
   for (const auto* w : ws)
-    if (w->dtype() != mx::float32 || w->ndim() != 2 || w->shape(1) != x.shape(-1))
-      throw std::invalid_argument("projections: float32 weights [N, K]");
+    if (!weight_dtype_ok(*w) || w->ndim() != 2 || w->shape(1) != x.shape(-1))
+      throw std::invalid_argument("projections: float32 or float16 weights [N, K]");
   if (x.size() / std::max(1, x.shape(-1)) > static_cast<size_t>(kMaxRows))
     throw std::invalid_argument("projections: at most 32 rows");
   if (detect_isa() == Isa::none) throw std::runtime_error("projections: the CPU lacks AVX2/FMA");
@@ -77,10 +77,11 @@ void Projections::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   for (auto& out : outputs) ys.push_back(out.data<float>());
   encoder.dispatch([inputs, ys, M, K, qkv = qkv_, bias = bias_, shape = shape_]() {
     if (M == 0) return;
-    std::vector<std::vector<float>> copies(inputs.size());
-    std::vector<const float*> w;
-    for (size_t i = 1; i < (qkv ? 4u : 3u); ++i) w.push_back(row_major(inputs[i], copies[i]));
-    const float* x = row_major(inputs[0], copies[0]);
+    std::vector<float> xc;
+    WeightCopy copies[3];
+    std::vector<Weights> w;
+    for (size_t i = 1; i < (qkv ? 4u : 3u); ++i) w.push_back(weights_of(inputs[i], copies[i - 1]));
+    const float* x = row_major(inputs[0], xc);
     if (!qkv) return gemv_all(x, M, K, {{w[0], inputs[1].shape(0), ys[0], inputs[1].shape(0)},
                                         {w[1], inputs[2].shape(0), ys[1], inputs[2].shape(0)}});
     const int nq = inputs[1].shape(0), nk = inputs[2].shape(0), N = nq + 2 * nk;
