@@ -118,9 +118,12 @@ class ModelRunner:
         return self.model.model.embed_tokens(tokens)
 
     def head_rows(self, ids: mx.array) -> mx.array:
+        """The output layer's rows for ``ids`` as stored (float16 where half-stored, which the
+        linears take: a reduced head streams half the bytes)."""
         if hasattr(self.model, "lm_head"):
             return self.model.lm_head.weight[ids]
-        return self.embed(ids)  # a tied head
+        embed = self.model.model.embed_tokens
+        return embed.rows(ids) if hasattr(embed, "rows") else self.embed(ids)  # a tied head
 
     @functools.cached_property
     def linear_shapes(self) -> tuple[tuple[int, int], ...]:

@@ -53,6 +53,10 @@ class FastEmbedding(nn.Embedding):
     def __call__(self, x: mx.array) -> mx.array:
         return half.widened(self["weight"][x])  # the rows looked up, widened: float32 activations
 
+    def rows(self, ids: mx.array) -> mx.array:
+        """The rows for ``ids`` as stored (float16 where half-stored), for a linear to take."""
+        return self["weight"][ids]
+
     def as_linear(self, x: mx.array) -> mx.array:
         return linear(x, self["weight"])
 

@@ -113,5 +113,5 @@ def load_head(folder: Path, target_args=None) -> MTPHead:
     head.set_dtype(mx.float32 if mx.default_device() == mx.cpu else head.eh_proj.weight.dtype)
     head.name = str(folder)
     mx.eval(head.parameters())
-    use_cpu_kernels(head)
+    use_cpu_kernels(head, half_weights=True)  # loaded for drafting (frozen); heads are saved float16
     return head
