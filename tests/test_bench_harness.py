@@ -60,3 +60,23 @@ def test_the_policy_bench_decodes_prompts_calibration_never_saw_at_mixed_tempera
     assert policy.mixed_tok_s(engine, held_out[:4], 2, 5) > 0
     assert [p.temperature for p in engine.asked] == [0.0, 0.7, 0.0, 0.7]
     assert len({p.seed for p in engine.asked}) == 4
+
+
+def test_mlx_lm_baselines_run_a_float32_copy_of_a_half_stored_target(tmp_path, tiny):
+    from specbatch.kernels import cpu
+    from specbatch.kernels.cpu import half
+    from specbatch.kernels.models import load
+    from specbatch.runtime.config import EngineConfig
+    from specbatch.testing.tiny import build_tiny_model
+    from specbatch.tools.bench import kernels
+    from specbatch.tools.bench.harness import Context
+    assert Context(tiny, None, EngineConfig(), [1], 8, 1).mlx_lm_model is tiny.model  # float32 already
+    target = load(build_tiny_model(tmp_path / "half", "llama", seed=5, half_values=True))
+    if not half.half_stored(target.model):
+        assert not half.supported(cpu.extension())
+        return
+    baseline = Context(target, None, EngineConfig(), [1], 8, 1).mlx_lm_model
+    assert baseline is not target.model and not half.half_stored(baseline)
+    assert kernels.weight_bytes(baseline) == 2 * kernels.weight_bytes(target.model)  # what each reads a step
+    tokens = mx.array([[3, 1, 4, 1, 5]])
+    assert mx.array_equal(baseline(tokens), target.model(tokens)).item()  # the same values either way
