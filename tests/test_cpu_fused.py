@@ -23,9 +23,9 @@ def _inv(half: int) -> mx.array:
 @settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 4), length=st.integers(1, 8), kv=st.integers(1, 3), group=st.integers(1, 3),
        d=st.sampled_from([16, 64]), partial=st.booleans(), positions=st.sampled_from(["int", "rows", "explicit"]),
-       bias=st.booleans(), traditional=st.booleans(), seed=st.integers(0, 2**16))
+       bias=st.booleans(), traditional=st.booleans(), norm=st.booleans(), seed=st.integers(0, 2**16))
 def test_qkv_rope_is_the_separate_kernels_bit_for_bit(b, length, kv, group, d, partial, positions, bias,
-                                                      traditional, seed):
+                                                      traditional, norm, seed):
     if b * length > cpu.MAX_ROWS:
         return
     rng = np.random.default_rng(seed)
@@ -38,10 +38,13 @@ def test_qkv_rope_is_the_separate_kernels_bit_for_bit(b, length, kv, group, d, p
            "rows": mx.array(rng.integers(-3, 500, size=b), dtype=mx.int32),
            "explicit": mx.array(rng.integers(0, 500, size=(b, length)), dtype=mx.int32)}[positions]
     inv = _inv(dims // 2)
-    q, k, v = cpu.extension().qkv_rope(x, wq, wk, wv, biases, pos, inv, hq, kv, dims, traditional, 1.0)
+    nw = normal(k_in)  # the block's input norm, folded in where handed over
+    q, k, v = cpu.extension().qkv_rope(x, wq, wk, wv, biases, pos, inv, hq, kv, dims, traditional, 1.0,
+                                       [nw] if norm else [], 1e-5)
+    xn = cpu.rms_norm(x, nw, 1e-5) if norm else x
 
     def alone(i, w, heads, rotate):
-        y = cpu.linear(x, w) + biases[i] if bias else cpu.linear(x, w)
+        y = cpu.linear(xn, w) + biases[i] if bias else cpu.linear(xn, w)
         y = y.reshape(b, length, heads, d).transpose(0, 2, 1, 3)
         return cpu.rope(y, pos, inv, dims, traditional, 1.0) if rotate else mx.contiguous(y)
     for got, want in ((q, alone(0, wq, hq, True)), (k, alone(1, wk, kv, True)), (v, alone(2, wv, kv, False))):
@@ -69,6 +72,16 @@ def test_gate_up_is_two_linears_and_both_fused_ops_have_gradients():
             v = y
         return (q * 1.5 + k * 0.5 + v).sum()
     assert mx.allclose(mx.grad(lambda x: loss(x, True))(xq), mx.grad(lambda x: loss(x, False))(xq), atol=1e-4).item()
+    nw = mx.random.normal((16,))
+
+    def normed(x, nw, fuse):  # the input norm folded into qkv_rope: gradients for x and its weight
+        if fuse:
+            return sum(o.sum() for o in cpu.extension().qkv_rope(x, w, w, w, [], pos, inv, 2, 2, 8, False, 1.0, [nw], 1e-5))
+        return sum(o.sum() for o in cpu.extension().qkv_rope(mx.fast.rms_norm(x, nw, 1e-5), w, w, w, [], pos, inv,
+                                                             2, 2, 8, False, 1.0))
+    for a, b in zip(mx.grad(lambda x, n: normed(x, n, True), argnums=(0, 1))(xq, nw),
+                    mx.grad(lambda x, n: normed(x, n, False), argnums=(0, 1))(xq, nw)):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
 
 
 @needs_kernels

@@ -67,8 +67,9 @@ def _rope(attn):
     return (base, positions) if "_sb_inv_freq" in base else None
 
 
-def attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
-    """mlx-lm's llama ``Attention.__call__`` on ``qkv_rope``; None where it does not apply."""
+def attention_call(self, x: mx.array, mask=None, cache=None, norm=None) -> mx.array | None:
+    """mlx-lm's llama ``Attention.__call__`` on ``qkv_rope``; None where it does not apply.
+    ``norm``: the block's input RMSNorm (a swapped one), applied inside ``qkv_rope`` to ``x``."""
     ext = _active()
     q_proj = self["q_proj"]
     weights = _linears(q_proj, self["k_proj"], self["v_proj"])
@@ -80,8 +81,9 @@ def attention_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
     if positions is None:
         positions = rope_positions(cache.offset if cache is not None else 0)
     biases = [self[p]["bias"] for p in ("q_proj", "k_proj", "v_proj")] if "bias" in q_proj else []
+    norms, eps = ([norm["weight"]], norm.eps) if norm is not None else ([], 0.0)
     q, k, v = ext.qkv_rope(x, *weights, biases, positions.astype(mx.int32), base["_sb_inv_freq"], self.n_heads,
-                           self.n_kv_heads, base.dims, base.traditional, base._sb_scale)  # [B, H, L, D] each
+                           self.n_kv_heads, base.dims, base.traditional, base._sb_scale, norms, eps)  # [B, H, L, D] each
     return self["o_proj"](_append_and_attend(q, k, v, cache, self.scale, mask))  # attention out [B, L, Hq * D]
 
 
@@ -107,7 +109,12 @@ def block_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
     post = self["post_attention_layernorm"]
     if not getattr(type(post), "_sb_norm", False):
         return None
-    r = self["self_attn"](self["input_layernorm"](x), mask, cache)
+    attn, norm = self["self_attn"], self["input_layernorm"]
+    r = None
+    if getattr(type(norm), "_sb_norm", False) and norm["weight"].dtype == mx.float32 and getattr(type(attn), "_sb_qkv", False):
+        r = attention_call(attn, x, mask, cache, norm)  # the input norm inside qkv_rope: one node fewer
+    if r is None:
+        r = attn(norm(x), mask, cache)
     mlp = self["mlp"]
     layers = (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]) if getattr(type(mlp), "_sb_mlp", False) else ()
     weights = _linears(*layers) if layers else None

@@ -103,7 +103,7 @@ def _attention_methods(cls: type) -> dict:
             return cls.__call__(self, *args, **kwargs)
         finally:
             _inside.on = False
-    return {"__call__": __call__}
+    return {"__call__": __call__, "_sb_qkv": copied}  # a block may hand it its input norm
 
 
 def _mlp_methods(cls: type) -> dict:

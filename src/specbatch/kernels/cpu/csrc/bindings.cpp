@@ -40,12 +40,14 @@ NB_MODULE(_ext, m) {
         "rotary embedding of x [B, H, L, D] at positions [1], [B] (offsets) or [B, L], one op");
   m.def("qkv_rope", [](const mx::array& x, const mx::array& wq, const mx::array& wk, const mx::array& wv,
                        const std::vector<mx::array>& biases, const mx::array& positions, const mx::array& inv_freq,
-                       int heads, int kv_heads, int dims, bool traditional, float scale) {
+                       int heads, int kv_heads, int dims, bool traditional, float scale,
+                       const std::vector<mx::array>& norms, float eps) {
           return specbatch::qkv_rope(x, wq, wk, wv, biases, positions, inv_freq,
-                                     specbatch::QkvShape{heads, kv_heads, dims, traditional, scale});
+                                     specbatch::QkvShape{heads, kv_heads, dims, traditional, scale, eps}, norms);
         }, nb::arg("x"), nb::arg("wq"), nb::arg("wk"), nb::arg("wv"), nb::arg("biases"), nb::arg("positions"),
         nb::arg("inv_freq"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"),
-        nb::arg("scale"), "a layer's q, k (roped) and v in the head layout, one op for up to 32 rows");
+        nb::arg("scale"), nb::arg("norms") = std::vector<mx::array>{}, nb::arg("eps") = 0.0f,
+        "a layer's q, k (roped) and v in the head layout, one op for up to 32 rows (norms: the input RMSNorm first)");
   m.def("gate_up", &specbatch::gate_up, nb::arg("x"), nb::arg("wg"), nb::arg("wu"),
         "x @ wg.T and x @ wu.T in one op for up to 32 rows");
   m.def("mlp_block", &specbatch::mlp_block, nb::arg("x"), nb::arg("r"), nb::arg("norm"), nb::arg("eps"),

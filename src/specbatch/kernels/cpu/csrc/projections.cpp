@@ -8,7 +8,9 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
+#include "mlx/fast.h"
 #include "mlx/transforms.h"
+#include "norm.h"
 #include "pool.h"
 #include "rope.h"
 #include "strided.h"
@@ -29,7 +31,7 @@ void check(const mx::array& x, const std::vector<const mx::array*>& ws) {
 
 std::vector<mx::array> qkv_rope(const mx::array& x, const mx::array& wq, const mx::array& wk, const mx::array& wv,
                                 const std::vector<mx::array>& biases, const mx::array& positions,
-                                const mx::array& inv_freq, const QkvShape& shape) {
+                                const mx::array& inv_freq, const QkvShape& shape, const std::vector<mx::array>& norms) {
   check(x, {&wq, &wk, &wv});
   if (x.ndim() != 3) throw std::invalid_argument("qkv_rope: x [B, L, K]");
   const int B = x.shape(0), L = x.shape(1);
@@ -47,12 +49,16 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const mx::array& wq, const m
                           biases[1].size() != static_cast<size_t>(wk.shape(0)) ||
                           biases[2].size() != static_cast<size_t>(wv.shape(0))))
     throw std::invalid_argument("qkv_rope: no biases or one [N] per weight");
+  if (norms.size() > 1 || (norms.size() == 1 && (norms[0].dtype() != mx::float32 || norms[0].ndim() != 1 ||
+                                                  norms[0].shape(0) != x.shape(-1))))
+    throw std::invalid_argument("qkv_rope: no norm or one float32 weight [K]");
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs = {x, wq, wk, wv, positions, inv_freq};
   for (const auto& b : biases) inputs.push_back(mx::astype(b, mx::float32, s));
+  for (const auto& n : norms) inputs.push_back(n);
   return mx::array::make_arrays({{B, shape.heads, L, D}, {B, shape.kv_heads, L, D}, {B, shape.kv_heads, L, D}},
                                 {mx::float32, mx::float32, mx::float32},
-                                std::make_shared<Projections>(s, true, !biases.empty(), shape), inputs);
+                                std::make_shared<Projections>(s, true, !biases.empty(), shape, !norms.empty()), inputs);
 }
 
 std::vector<mx::array> gate_up(const mx::array& x, const mx::array& wg, const mx::array& wu) {
@@ -75,13 +81,19 @@ void Projections::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   const int K = inputs[0].shape(-1), M = static_cast<int>(inputs[0].size() / std::max(1, K));
   std::vector<float*> ys;
   for (auto& out : outputs) ys.push_back(out.data<float>());
-  encoder.dispatch([inputs, ys, M, K, qkv = qkv_, bias = bias_, shape = shape_]() {
+  encoder.dispatch([inputs, ys, M, K, qkv = qkv_, bias = bias_, norm = norm_, shape = shape_]() {
     if (M == 0) return;
-    std::vector<float> xc;
+    std::vector<float> xc, normed, wn;
     WeightCopy copies[3];
     std::vector<Weights> w;
     for (size_t i = 1; i < (qkv ? 4u : 3u); ++i) w.push_back(weights_of(inputs[i], copies[i - 1]));
     const float* x = row_major(inputs[0], xc);
+    if (norm) {  // the layer's input norm, row by row as the RMSNorm op computes it
+      const float* nw = row_major(inputs.back(), wn);
+      normed.resize(static_cast<size_t>(M) * K);
+      for (int m = 0; m < M; ++m) norm_row(x + static_cast<size_t>(m) * K, nw, normed.data() + static_cast<size_t>(m) * K, K, shape.eps);
+      x = normed.data();
+    }
     if (!qkv) return gemv_all(x, M, K, {{w[0], inputs[1].shape(0), ys[0], inputs[1].shape(0)},
                                         {w[1], inputs[2].shape(0), ys[1], inputs[2].shape(0)}});
     const int nq = inputs[1].shape(0), nk = inputs[2].shape(0), N = nq + 2 * nk;
@@ -114,9 +126,10 @@ std::vector<mx::array> Projections::unfused(const std::vector<mx::array>& in) {
   auto s = stream();
   if (!qkv_) return {mx::matmul(in[0], mx::transpose(in[1], s), s), mx::matmul(in[0], mx::transpose(in[2], s), s)};
   const int B = in[0].shape(0), L = in[0].shape(1);
+  const mx::array x = norm_ ? mx::fast::rms_norm(in[0], in.back(), shape_.eps, s) : in[0];
   std::vector<mx::array> out;
   for (int i = 0; i < 3; ++i) {
-    auto y = mx::matmul(in[0], mx::transpose(in[1 + i], s), s);  // [B, L, H * D]
+    auto y = mx::matmul(x, mx::transpose(in[1 + i], s), s);  // [B, L, H * D]
     if (bias_) y = mx::add(y, in[6 + i], s);
     const int H = i == 0 ? shape_.heads : shape_.kv_heads;
     y = mx::transpose(mx::reshape(y, {B, L, H, -1}, s), {0, 2, 1, 3}, s);
@@ -149,8 +162,9 @@ std::vector<mx::array> Projections::vjp(const std::vector<mx::array>& primals, c
 
 bool Projections::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const Projections&>(other);
-  return qkv_ == o.qkv_ && bias_ == o.bias_ && shape_.heads == o.shape_.heads && shape_.kv_heads == o.shape_.kv_heads &&
-         shape_.dims == o.shape_.dims && shape_.traditional == o.shape_.traditional && shape_.scale == o.shape_.scale;
+  return qkv_ == o.qkv_ && bias_ == o.bias_ && norm_ == o.norm_ && shape_.heads == o.shape_.heads &&
+         shape_.kv_heads == o.shape_.kv_heads && shape_.dims == o.shape_.dims && shape_.traditional == o.shape_.traditional &&
+         shape_.scale == o.shape_.scale && shape_.eps == o.shape_.eps;
 }
 
 void Projections::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {

@@ -17,21 +17,25 @@ struct QkvShape {
   int heads, kv_heads, dims;  // dims: the rotated features of each head
   bool traditional;
   float scale;
+  float eps = 0.0f;  // the layer's input RMSNorm, where qkv_rope is handed its weight
 };
 
 // x [B, L, K]; wq [Hq * D, K], wk and wv [Hkv * D, K]; biases: none or one per weight;
-// positions and inv_freq as for `rope` -> q [B, Hq, L, D], k and v [B, Hkv, L, D].
+// positions and inv_freq as for `rope` -> q [B, Hq, L, D], k and v [B, Hkv, L, D]. norms: none,
+// or the layer's input RMSNorm weight [K] (with shape.eps), applied to x first: the norm's
+// own op's bits, one graph node fewer a layer.
 std::vector<mx::array> qkv_rope(const mx::array& x, const mx::array& wq, const mx::array& wk, const mx::array& wv,
                                 const std::vector<mx::array>& biases, const mx::array& positions,
-                                const mx::array& inv_freq, const QkvShape& shape);
+                                const mx::array& inv_freq, const QkvShape& shape,
+                                const std::vector<mx::array>& norms = {});
 
 // x [..., K]; wg and wu [I, K] -> x @ wg.T and x @ wu.T.
 std::vector<mx::array> gate_up(const mx::array& x, const mx::array& wg, const mx::array& wu);
 
 class Projections : public mx::Primitive {
  public:
-  Projections(mx::Stream stream, bool qkv, bool bias, QkvShape shape)
-      : mx::Primitive(stream), qkv_(qkv), bias_(bias), shape_(shape) {}
+  Projections(mx::Stream stream, bool qkv, bool bias, QkvShape shape, bool norm = false)
+      : mx::Primitive(stream), qkv_(qkv), bias_(bias), norm_(norm), shape_(shape) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
@@ -41,7 +45,7 @@ class Projections : public mx::Primitive {
 
  private:
   std::vector<mx::array> unfused(const std::vector<mx::array>& inputs);  // the same with MLX ops
-  bool qkv_, bias_;
+  bool qkv_, bias_, norm_;  // norm_: the last input is an RMSNorm weight applied to x first
   QkvShape shape_;
 };
 
