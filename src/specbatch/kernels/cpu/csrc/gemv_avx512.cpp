@@ -67,7 +67,8 @@ __attribute__((target("avx512f"))) void tile(const float* x, int K, const W* w, 
     for (int i = 0; i < NB; ++i) {
       wv[i] = load_w(w + (long)i * K + k);
       // one prefetch per 64-byte line: every k for float32 weights, every other for half
-      if (Prefetch && (sizeof(W) == 4 || k % 32 == 0)) _mm_prefetch(reinterpret_cast<const char*>(w + (long)(NB * kAheadTiles + i) * K + k), _MM_HINT_T0);
+      if (Prefetch && (sizeof(W) == 4 || k % 32 == 0))
+        _mm_prefetch(reinterpret_cast<const char*>(w + (long)(NB * kAheadTiles + i) * K + k), _MM_HINT_T0);
     }
 #pragma GCC unroll 8
     for (int j = 0; j < MB; ++j) {
