@@ -136,6 +136,7 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
     from mlx_lm.utils import load as mlx_load
 
     from ..openblas import warn_if_slow
+    from .cpu import extension, q4
     from .cpu.modules import use_cpu_kernels
     from . import gguf
 
@@ -155,12 +156,14 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
         raise ModelNotFound(f"could not load model {name!r}: {exc}") from exc
     check_supported(model)
     target_dtype = resolve_dtype(dtype)
+    blocks = q4.blocks_of(model) if target_dtype is not None else {}  # read again for decode rows
     if target_dtype is not None:
         dequantize_model(model)  # no-op for unquantized models
         model.set_dtype(target_dtype)
     mx.eval(model.parameters())
     # after any dtype change: only float32 layers swap; frozen weights stored as float16 where exact
     swapped = use_cpu_kernels(model, half_weights=True)
+    q4.register(extension(), model, blocks)
     loaded = LoadedModel(model, tokenizer, name, _context_length(model, tokenizer))
     log.debug("model_loaded", model=name, layers=loaded.n_layers, vocab=loaded.vocab_size,
               dtype=str(target_dtype), context=loaded.context_length, cpu_kernel_layers=swapped)

@@ -12,6 +12,7 @@
 #include "paged_write.h"
 #include "pool.h"
 #include "projections.h"
+#include "q4.h"
 #include "rope.h"
 #include "swiglu.h"
 
@@ -58,6 +59,10 @@ NB_MODULE(_ext, m) {
   m.def("gumbel", &specbatch::gumbel, nb::arg("seeds"), nb::arg("positions"), nb::arg("vocab"),
         "Gumbel noise [B, N, vocab] keyed by (seed, position, token), one op");
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
+  m.def("q4_register", &specbatch::q4_register, nb::arg("half"), nb::arg("q"), nb::arg("scales"), nb::arg("biases"),
+        "read a float16 matrix's affine 4-bit blocks for decode rows, where they rebuild it bit for bit");
+  m.def("q4_clear", &specbatch::q4_clear, "forget every registered 4-bit block set");
+  m.def("q4_count", &specbatch::q4_count, "how many matrices read their 4-bit blocks");
   m.def("half_weights", &specbatch::half_weights_supported,
         "whether the linears take float16 weights (widened exactly as they stream)");
   m.def("threads", [] { return specbatch::pool().size(); });

@@ -1,0 +1,43 @@
+// 4-bit weights for decode rows: a half-stored matrix that came from affine 4-bit blocks (the
+// GGUF's Q4_0 / Q4_1 as MLX quantizes them: 32 weights a group, float16 scale and bias) can
+// also be read as those blocks, 0.625 bytes a weight instead of 2. Each group's 16 values are
+// rebuilt as MLX's dequantize rounds them (q * scale to float16, + bias to float16) into a
+// lookup table, so every weight read is the float16 matrix's value and every sum the float16
+// path's, bit for bit; registration checks that for the whole matrix before it is used.
+#pragma once
+
+#include <cstdint>
+
+#include "mlx/array.h"
+
+namespace specbatch {
+
+namespace mx = mlx::core;
+
+// A matrix's 4-bit blocks: q [N, K / 2] bytes (element 2i in byte i's low nibble), scales
+// and biases [N, K / 32] float16 bits.
+struct Q4View {
+  const uint8_t* q = nullptr;
+  const uint16_t* scales = nullptr;
+  const uint16_t* biases = nullptr;
+};
+
+// Token rows up to which decode reads the blocks (each group's table is built once for all;
+// one process, interleaved: a step 0.87x the float16 path's at 1 row, 0.92x at 2, 1.05x at 4).
+constexpr int kQ4MaxRows = 2;
+
+// Register `half` [N, K] float16's blocks (q uint32 [N, K / 8], scales and biases float16
+// [N, K / 32]) where they rebuild it exactly; false (and nothing kept) where they do not, or
+// where the CPU lacks AVX-512. The registry holds the arrays, so their buffers stay put.
+bool q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases);
+// The blocks registered for the float16 buffer at `data`, or a view with q == nullptr.
+Q4View q4_lookup(const void* data);
+// Forget every registration (tests); how many matrices are registered.
+void q4_clear();
+int q4_count();
+
+// y[m, n] for rows [n0, n1) of the blocks and M <= kQ4MaxRows token rows: the same sums, in
+// the same order, as gemv_avx512 over the float16 matrix.
+void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N);
+
+}  // namespace specbatch
