@@ -103,6 +103,8 @@ def test_a_model_reading_blocks_gives_the_float16_models_logits_and_streams(pair
     for rows, positions in ((1, 1), (1, 2), (2, 1), (1, 5), (1, 40)):
         tokens = mx.random.randint(0, 200, (rows, positions), key=mx.random.key(rows * 100 + positions))
         assert mx.array_equal(plain.model(tokens), blocks.model(tokens)).item(), (rows, positions)
+    from specbatch.tools.bench import kernels
+    assert kernels.weight_bytes(blocks.model) < kernels.weight_bytes(plain.model)  # what a width-1 step reads
     for params in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 4}):
         assert run_plain(blocks, "blocks", max_tokens=20, **params) == run_plain(plain, "blocks", max_tokens=20, **params)
         assert run_scalar(blocks, tiny_draft, "blocks", k=2, max_tokens=20, **params)[0] == \

@@ -33,8 +33,9 @@ def blocks_of(model: nn.Module) -> dict:
 
 
 def register(ext, model: nn.Module, blocks: dict) -> int:
-    """Hand the kernels each half-stored linear's blocks where they rebuild it exactly;
-    returns how many matrices read them."""
+    """Hand the kernels each half-stored linear's blocks where they rebuild it exactly (the
+    module's ``_sb_q4_bytes`` says how many bytes a decode row then reads); returns how many
+    matrices read them."""
     if ext is None or not blocks or os.environ.get(ENV, "1") == "0":
         return 0
     done = 0
@@ -42,7 +43,9 @@ def register(ext, model: nn.Module, blocks: dict) -> int:
         parts = blocks.get(name)
         if parts is None or getattr(m, "weight", None) is None or m["weight"].dtype != mx.float16:
             continue
-        done += bool(ext.q4_register(m["weight"], *parts))
+        if ext.q4_register(m["weight"], *parts):
+            m._sb_q4_bytes = sum(a.nbytes for a in parts)  # what a decode row reads of it
+            done += 1
     if done:
         log.info("q4_blocks", matrices=done, of=len(blocks), mb=round(sum(
             sum(a.nbytes for a in parts) for parts in blocks.values()) / 2**20, 1))

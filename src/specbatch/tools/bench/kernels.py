@@ -1,9 +1,10 @@
 """``bench --suite kernels``: the CPU kernels against the machine's physical limit and
 against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
 
-- the weight-streaming bound: the bytes of every weight matrix as stored (the tied head
-  included; float16 where half-stored, ``kernels.cpu.half``) over the read bandwidth a
-  one-row sgemv probe reaches on a float32 stack of the same shapes;
+- the weight-streaming bound: the bytes a width-1 step reads of every weight matrix (the tied
+  head included; float16 where half-stored, ``kernels.cpu.half``, its 4-bit blocks where decode
+  rows read those, ``kernels.cpu.q4``) over the read bandwidth a one-row sgemv probe reaches on
+  a float32 stack of the same shapes;
 - forward of ``rows x positions`` tokens over a 128-token context (decode steps at widths
   1-16, verifies of 2-16 positions at width 1), kernels on and off (off: MLX's ops on the
   float32 weights mlx-lm runs), every case in turn within each repeat, and what each step
@@ -28,15 +29,20 @@ CONTEXT = 128
 SHAPES = [(1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (1, 16), (4, 1), (8, 1), (16, 1), (4, 5)]  # (rows, positions)
 
 
-def _matrices(model) -> list:
+def _modules(model) -> list:
     import mlx.nn as nn
-    return [m.weight for _, m in model.named_modules()
+    return [m for _, m in model.named_modules()
             if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dtype in (mx.float32, mx.float16)]
 
 
+def _matrices(model) -> list:
+    return [m.weight for m in _modules(model)]
+
+
 def weight_bytes(model) -> int:
-    """What a decode step must read: every weight matrix's bytes as stored."""
-    return sum(w.nbytes for w in _matrices(model))
+    """What a width-1 decode step must read: every weight matrix's bytes as stored, or its
+    4-bit blocks' where decode rows read those (``kernels.cpu.q4``)."""
+    return sum(getattr(m, "_sb_q4_bytes", 0) or m.weight.nbytes for m in _modules(model))
 
 
 def sgemv_probe(model, repeats: int = 5) -> float:
@@ -117,7 +123,9 @@ def suite_kernels(ctx) -> dict:
     rows.append({"rows": 1, "positions": len(prompt), "ttft_specbatch_s": ttft["specbatch_s"],
                  "ttft_mlx_lm_s": ttft["mlx_lm_s"], "speedup": ttft["mlx_lm_s"] / ttft["specbatch_s"]})
     return {"kernels": {"active": state.active, "isa": state.isa, "why": state.why},
-            "weight_bytes": total, "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
+            "weight_bytes": total, "weight_bytes_stored": sum(w.nbytes for w in _matrices(model)),
+            "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
+            "q4_matrices": sum(1 for m in _modules(model) if getattr(m, "_sb_q4_bytes", 0)),
             "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "rows": rows}
 
 
