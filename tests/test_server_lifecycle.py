@@ -126,7 +126,7 @@ def _refused(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
         return False
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):  # reset: it reached a backlog the closing listener dropped
         return True
 
 
