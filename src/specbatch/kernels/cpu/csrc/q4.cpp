@@ -72,8 +72,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void tile(const float*
 
 template <int MB>
 void rows(const float* x, int K, const Q4View& w, int n0, int n1, float* y, int N) {
+  constexpr int NB = MB > 2 ? 2 : 4;  // accumulators, tables and weights within 32 registers
   int n = n0;
-  for (; n + 4 <= n1; n += 4) tile<4, MB>(x, K, w, n, y, N);
+  for (; n + NB <= n1; n += NB) tile<NB, MB>(x, K, w, n, y, N);
   for (; n < n1; ++n) tile<1, MB>(x, K, w, n, y, N);
 }
 
@@ -81,7 +82,8 @@ void rows(const float* x, int K, const Q4View& w, int n0, int n1, float* y, int 
 
 void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N) {
   if (M == 1) return rows<1>(x, K, w, n0, n1, y, N);
-  rows<2>(x, K, w, n0, n1, y, N);
+  if (M == 2) return rows<2>(x, K, w, n0, n1, y, N);
+  rows<3>(x, K, w, n0, n1, y, N);
 }
 
 namespace {
