@@ -119,3 +119,17 @@ def test_only_four_bit_affine_linears_are_collected(tmp_path):
     found = q4.blocks_of(model)
     assert found and all(name.endswith(("proj",)) for name in found)
     assert all(parts[1].dtype == mx.float16 for parts in found.values())
+
+
+@needs_q4
+def test_a_models_blocks_are_released_with_it(tmp_path):
+    import gc
+
+    from specbatch.kernels.models import load
+    from specbatch.testing.tiny import build_tiny_model
+    before = ext.q4_count()
+    loaded = load(build_tiny_model(tmp_path / "gone", "llama", seed=8, four_bit=True))
+    assert ext.q4_count() == before + 2 * 7
+    del loaded
+    gc.collect()
+    assert ext.q4_count() == before

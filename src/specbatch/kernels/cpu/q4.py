@@ -13,6 +13,7 @@ Vocabulary: *blocks* are a matrix's (q, scales, biases) as MLX's ``QuantizedLine
 from __future__ import annotations
 
 import os
+import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,6 +46,7 @@ def register(ext, model: nn.Module, blocks: dict) -> int:
             continue
         if ext.q4_register(m["weight"], *parts):
             m._sb_q4_bytes = sum(a.nbytes for a in parts)  # what a decode row reads of it
+            weakref.finalize(m, ext.q4_forget, m["weight"])  # the registry holds the arrays until the module goes
             done += 1
     if done:
         log.info("q4_blocks", matrices=done, of=len(blocks), mb=round(sum(

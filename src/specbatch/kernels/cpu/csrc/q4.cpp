@@ -131,6 +131,12 @@ Q4View q4_lookup(const void* data) {
   return it == registry().end() ? Q4View{} : it->second.view;
 }
 
+void q4_forget(const mx::array& half) {
+  if (half.dtype() != mx::float16 || half.data_shared_ptr() == nullptr) return;
+  std::lock_guard<std::mutex> lock(registry_mu);
+  registry().erase(half.data<uint16_t>());
+}
+
 void q4_clear() {
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().clear();

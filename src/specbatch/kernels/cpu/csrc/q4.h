@@ -33,7 +33,8 @@ constexpr int kQ4MaxRows = 3;
 bool q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases);
 // The blocks registered for the float16 buffer at `data`, or a view with q == nullptr.
 Q4View q4_lookup(const void* data);
-// Forget every registration (tests); how many matrices are registered.
+// Forget `half`'s registration (its module is gone), or every one (tests); how many are held.
+void q4_forget(const mx::array& half);
 void q4_clear();
 int q4_count();
 
