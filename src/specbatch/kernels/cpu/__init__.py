@@ -28,16 +28,15 @@ of the weights; *small* means at most ``MAX_ROWS`` of them.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
-import threading
 
 import attrs
 import mlx.core as mx
 import structlog
 
 from .half import weight_ok
+from .scoped import Scoped
 from .wide import merged_rows_match, prefill_on_kernel, row_blocks, wide_linear  # noqa: F401 (re-exported)
 
 log = structlog.get_logger(__name__)
@@ -54,18 +53,12 @@ class KernelStatus:
 
 
 _loaded: dict = {}
-_off = threading.local()  # inside `disabled()` on this thread
+_off = Scoped(False)  # inside `disabled()` on this thread
 
 
-@contextlib.contextmanager
 def disabled():
     """Run MLX's own ops inside this block (baselines measured on the same loaded model)."""
-    before = getattr(_off, "on", False)
-    _off.on = True
-    try:
-        yield
-    finally:
-        _off.on = before
+    return _off.within(True)
 
 
 def _load() -> tuple[object | None, KernelStatus]:
@@ -111,7 +104,7 @@ def rows_of(x: mx.array) -> int:
 
 
 def _active():
-    return None if getattr(_off, "on", False) else extension()
+    return None if _off.get() else extension()
 
 
 def linear(x: mx.array, weight: mx.array) -> mx.array:

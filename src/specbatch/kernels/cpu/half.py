@@ -17,19 +17,19 @@ Vocabulary: *exact* means ``float32(float16(w)) == w`` for every element.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import threading
 
 import mlx.core as mx
 import structlog
 from mlx.utils import tree_flatten
 
+from .scoped import Scoped
+
 log = structlog.get_logger(__name__)
 
 ENV = "SPECBATCH_HALF_WEIGHTS"
-_kept = threading.local()  # inside `float32_kept()` on this thread
+_kept = Scoped(False)  # inside `float32_kept()` on this thread
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,19 +60,13 @@ def exact_half(weight: mx.array) -> mx.array | None:
 
 
 def enabled(ext) -> bool:
-    return os.environ.get(ENV, "1") != "0" and not getattr(_kept, "on", False) and supported(ext)
+    return os.environ.get(ENV, "1") != "0" and not _kept.get() and supported(ext)
 
 
-@contextlib.contextmanager
 def float32_kept():
     """Models loaded inside this block keep float32 weights (a baseline run on MLX's own ops,
     which would widen a float16 weight again at every call)."""
-    before = getattr(_kept, "on", False)
-    _kept.on = True
-    try:
-        yield
-    finally:
-        _kept.on = before
+    return _kept.within(True)
 
 
 def half_stored(model) -> bool:

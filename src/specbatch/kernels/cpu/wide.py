@@ -12,35 +12,28 @@ the sgemm would change their bits (:func:`merged_rows_match`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import threading
 import time
 
 import mlx.core as mx
 import structlog
 
 from .half import weight_ok, widened
+from .scoped import Scoped
 
 log = structlog.get_logger(__name__)
 
-_blocks = threading.local()  # inside `row_blocks(n)` on this thread
+_blocks = Scoped(0)  # inside `row_blocks(n)` on this thread: its rows
 MARGIN = 1.1  # the kernel takes wide linears only this much faster than the BLAS (noise)
 
 
-@contextlib.contextmanager
 def row_blocks(rows: int):
     """Inside this block a wide ``linear`` whose rows are a multiple of ``rows`` gives each
     block of ``rows`` the bits a matmul of that block alone gives: one call where this BLAS
     keeps them (``merged_rows_match``), else a batched matmul over a broadcast weight (one
     sgemm per block, 10-20% slower), so a merged prefill equals its chunks on any CPU."""
-    before = getattr(_blocks, "rows", 0)
-    _blocks.rows = rows
-    try:
-        yield
-    finally:
-        _blocks.rows = before
+    return _blocks.within(rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +90,7 @@ def wide_linear(ext, x: mx.array, weight: mx.array, rows: int) -> mx.array:
             and prefill_on_kernel(ext, weight.dtype == mx.float16)):
         return ext.small_linear(x, weight)
     weight = widened(weight)  # a half-stored weight: the BLAS multiplies its exact float32 values
-    block = getattr(_blocks, "rows", 0)
+    block = _blocks.get()
     if (block and rows > block and rows % block == 0 and weight.ndim == 2
             and not merged_rows_match(block, rows, (tuple(weight.shape),))):
         n, k = weight.shape
