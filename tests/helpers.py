@@ -156,3 +156,18 @@ def plain_streams(target, jobs) -> list[list[int]]:
             run, (rid,) = drive(core, {0: [job]})
             out.append(run.tokens[rid])
     return out
+
+
+def rerun_on_avx2(test_file: str):
+    """Run ``test_file``'s other tests again with the AVX2 kernels (``SPECBATCH_CPU_ISA``) in a
+    child process; the finished process (on an AVX2-only CPU they ran as they are: None)."""
+    import os
+    import subprocess
+    import sys
+
+    from specbatch.kernels import cpu
+    if cpu.status().isa != "avx512":
+        return None
+    env = {**os.environ, "SPECBATCH_CPU_ISA": "avx2"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "not avx2"],
+                          env=env, capture_output=True, text=True, timeout=600)

@@ -5,9 +5,11 @@ two RoPEs before its cache update (11 graph nodes a layer); here ``qkv_rope`` is
 writes q, k (rotated) and v in the head layout, and attention writes its heads merged
 (``[B, L, Hq * D]``, the output projection's input). Its ``MLP`` runs two linears where
 ``gate_up`` is one; the block's residual add after attention, the norm after it, the MLP
-and its residual add are one op (``mlp_block``: five graph nodes a layer become one). Per
-element each gives the bits the separate kernels give, so the layer's output is the same. The MLP's activation is the kernels' ``swiglu`` at every width (prefill chunks too),
-so a row's bits never depend on which path its forward took. Anything else (more rows than
+and its residual add are one op (``mlp_block``: five graph nodes a layer become one), and
+its input norm runs inside ``qkv_rope``. Per element each gives the bits the separate
+kernels give, so the layer's output is the same. The MLP's activation is the kernels'
+``swiglu`` at every width (prefill chunks too), so a row's bits never depend on which path
+its forward took. Anything else (more rows than
 the small-M kernels take, other dtypes, sharded or quantized projections, a RoPE variant
 without the kernel, a quantized cache, per-head norms) takes the module's own call: these
 return None there.
@@ -75,7 +77,8 @@ def attention_call(self, x: mx.array, mask=None, cache=None, norm=None) -> mx.ar
     weights = _linears(q_proj, self["k_proj"], self["v_proj"])
     rope = _rope(self)
     if (ext is None or weights is None or rope is None or x.dtype != mx.float32 or x.ndim != 3
-            or not 0 < rows_of(x) <= MAX_ROWS or "q_norm" in self or hasattr(cache, "bits")):
+            or not 0 < rows_of(x) <= MAX_ROWS or "q_norm" in self or hasattr(cache, "bits")
+            or (norm is not None and norm["weight"].dtype != mx.float32)):
         return None
     base, positions = rope
     if positions is None:
@@ -111,7 +114,7 @@ def block_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
         return None
     attn, norm = self["self_attn"], self["input_layernorm"]
     r = None
-    if getattr(type(norm), "_sb_norm", False) and norm["weight"].dtype == mx.float32 and getattr(type(attn), "_sb_qkv", False):
+    if getattr(type(norm), "_sb_norm", False) and getattr(type(attn), "_sb_qkv", False):
         r = attention_call(attn, x, mask, cache, norm)  # the input norm inside qkv_rope: one node fewer
     if r is None:
         r = attn(norm(x), mask, cache)

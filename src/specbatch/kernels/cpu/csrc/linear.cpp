@@ -35,8 +35,11 @@ const char* isa_name(Isa isa) {
 }
 
 bool half_weights_supported() {
-  __builtin_cpu_init();
-  return detect_isa() == Isa::avx512 || (detect_isa() == Isa::avx2 && __builtin_cpu_supports("f16c"));
+  static const bool supported = [] {  // asked for every weight of every op built: once a process
+    __builtin_cpu_init();
+    return detect_isa() == Isa::avx512 || (detect_isa() == Isa::avx2 && __builtin_cpu_supports("f16c"));
+  }();
+  return supported;
 }
 
 bool weight_dtype_ok(const mx::array& w) {

@@ -52,7 +52,7 @@ void MlpBlock::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     const Weights wg = weights_of(in[3], wc[0]), wu = weights_of(in[4], wc[1]), wd = weights_of(in[5], wc[2]);
     std::vector<float> h(static_cast<size_t>(M) * K), n(h.size()), gu(static_cast<size_t>(M) * I * 2);
     for (size_t i = 0; i < h.size(); ++i) h[i] = p[0][i] + p[1][i];
-    for (int m = 0; m < M; ++m) norm_row(h.data() + static_cast<size_t>(m) * K, p[2], n.data() + static_cast<size_t>(m) * K, K, eps);
+    norm_rows(h.data(), p[2], n.data(), M, K, eps);
     float* g = gu.data();
     float* u = g + static_cast<size_t>(M) * I;
     gemv_all(n.data(), M, K, {{wg, I, g, I}, {wu, I, u, I}});

@@ -36,6 +36,10 @@ void norm_row(const float* x, const float* w, float* y, int D, float eps) {
   for (d = 0; d < D; ++d) y[d] = (x[d] * r) * w[d];
 }
 
+void norm_rows(const float* x, const float* w, float* y, int64_t rows, int D, float eps) {
+  for (int64_t r = 0; r < rows; ++r) norm_row(x + r * D, w, y + r * D, D, eps);
+}
+
 void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];
   const auto& w = inputs[1];
@@ -51,7 +55,7 @@ void RMSNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     const float* xp = row_major(x, xc);
     const float* wp = row_major(w, wc);
     auto body = [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * D, wp, yp + r * D, D, eps);
+      norm_rows(xp + r0 * D, wp, yp + r0 * D, r1 - r0, D, eps);
     };
     pool().split(rows, D, 1 << 16, body);
   });
@@ -95,7 +99,7 @@ void AddRMSNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
     const float* wp = row_major(w, wc);
     auto body = [&](int64_t r0, int64_t r1) {
       for (int64_t i = r0 * D; i < r1 * D; ++i) hp[i] = xp[i] + rp[i];
-      for (int64_t row = r0; row < r1; ++row) norm_row(hp + row * D, wp, yp + row * D, D, eps);
+      norm_rows(hp + r0 * D, wp, yp + r0 * D, r1 - r0, D, eps);
     };
     pool().split(rows, D, 1 << 16, body);
   });

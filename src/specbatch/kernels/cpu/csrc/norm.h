@@ -2,6 +2,8 @@
 // (about 40 us a call at decode shapes, 60 calls a step).
 #pragma once
 
+#include <cstdint>
+
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
@@ -12,6 +14,8 @@ namespace mx = mlx::core;
 // One row of D: y = x * rsqrt(mean(x^2) + eps) * w, the squares summed in 8 fixed lanes
 // (a row's result never depends on its batch).
 void norm_row(const float* x, const float* w, float* y, int D, float eps);
+// norm_row over `rows` consecutive rows of D (on this thread).
+void norm_rows(const float* x, const float* w, float* y, int64_t rows, int D, float eps);
 
 // x [..., D] float32, w [D] float32 -> x * rsqrt(mean(x^2) + eps) * w, per row of D.
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps);

@@ -91,10 +91,7 @@ void Projections::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
     if (norm) {  // the layer's input norm, row by row as the RMSNorm op computes it
       const float* nw = row_major(inputs.back(), wn);
       normed.resize(static_cast<size_t>(M) * K);
-      for (int m = 0; m < M; ++m) {
-        const size_t at = static_cast<size_t>(m) * K;
-        norm_row(x + at, nw, normed.data() + at, K, shape.eps);
-      }
+      norm_rows(x, nw, normed.data(), M, K, shape.eps);
       x = normed.data();
     }
     if (!qkv) return gemv_all(x, M, K, {{w[0], inputs[1].shape(0), ys[0], inputs[1].shape(0)},
