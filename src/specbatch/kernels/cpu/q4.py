@@ -52,3 +52,8 @@ def register(ext, model: nn.Module, blocks: dict) -> int:
         log.info("q4_blocks", matrices=done, of=len(blocks), mb=round(sum(
             sum(a.nbytes for a in parts) for parts in blocks.values()) / 2**20, 1))
     return done
+
+
+def decode_bytes(module: nn.Module) -> int:
+    """The bytes a decode row reads of ``module``'s weight: its blocks' where registered."""
+    return getattr(module, "_sb_q4_bytes", 0) or module["weight"].nbytes

@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...kernels import cpu
+from ...kernels.cpu.q4 import decode_bytes
 from ...runtime.params import SamplingParams
 
 CONTEXT = 128
@@ -42,7 +43,7 @@ def _matrices(model) -> list:
 def weight_bytes(model) -> int:
     """What a width-1 decode step must read: every weight matrix's bytes as stored, or its
     4-bit blocks' where decode rows read those (``kernels.cpu.q4``)."""
-    return sum(getattr(m, "_sb_q4_bytes", 0) or m.weight.nbytes for m in _modules(model))
+    return sum(decode_bytes(m) for m in _modules(model))
 
 
 def sgemv_probe(model, repeats: int = 5) -> float:
@@ -125,7 +126,7 @@ def suite_kernels(ctx) -> dict:
     return {"kernels": {"active": state.active, "isa": state.isa, "why": state.why},
             "weight_bytes": total, "weight_bytes_stored": sum(w.nbytes for w in _matrices(model)),
             "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
-            "q4_matrices": sum(1 for m in _modules(model) if getattr(m, "_sb_q4_bytes", 0)),
+            "q4_matrices": sum(1 for m in _modules(model) if decode_bytes(m) != m.weight.nbytes),
             "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "rows": rows}
 
 
