@@ -207,7 +207,8 @@ def use_cpu_kernels(model: nn.Module, half_weights: bool = False) -> int:
                     setattr(child, name, new)
                 swapped += 1
                 fast.append(new)
-    stored = half.store_half(extension(), fast) if half_weights else 0
+    if half_weights:
+        half.store_half(extension(), fast)
     if swapped:
-        prefill_on_kernel(extension(), stored > 0)  # measured here, once a process: not inside a first prefill's forward
+        prefill_on_kernel(extension())  # measured here, once a process: not inside a first prefill's forward
     return swapped

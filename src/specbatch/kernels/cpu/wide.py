@@ -19,7 +19,7 @@ import time
 import mlx.core as mx
 import structlog
 
-from .half import weight_ok, widened
+from .half import supported, weight_ok, widened
 from .scoped import Scoped
 
 log = structlog.get_logger(__name__)
@@ -55,18 +55,20 @@ def merged_rows_match(chunk: int, big: int, shapes: tuple) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def prefill_on_kernel(ext, half_stored: bool = False) -> bool:
-    """Whether wide linears run on the kernel (``ext.small_linear``): measured once a process
-    and weight dtype (when a model's layers are swapped, ``use_cpu_kernels``), a 256-row
-    product against a 1536 x 576 weight both ways in turn, 5 times (``half_stored``: the
-    weight float16, which the BLAS arm widens first, as :func:`wide_linear` does); the kernel
-    only at ``MARGIN`` times the BLAS's speed. ``SPECBATCH_PREFILL_KERNEL=1`` / ``0`` decides instead."""
+def prefill_on_kernel(ext) -> bool:
+    """Whether wide linears run on the kernel (``ext.small_linear``), one answer a process for
+    every weight dtype (so a half-stored model and its float32 twin take the same path and keep
+    the same bits): measured once (when a model's layers are swapped, ``use_cpu_kernels``), a
+    256-row product against a 1536 x 576 weight both ways in turn, 5 times, the weight float16
+    where the CPU takes half weights (what ``models.load`` stores; the BLAS arm widens it first,
+    as :func:`wide_linear` does); the kernel only at ``MARGIN`` times the BLAS's speed.
+    ``SPECBATCH_PREFILL_KERNEL=1`` / ``0`` decides instead."""
     forced = os.environ.get("SPECBATCH_PREFILL_KERNEL", "")
     if forced in ("0", "1"):
         return forced == "1"
     keys = mx.random.split(mx.random.key(1))
     x, w = mx.random.normal((256, 576), key=keys[0]), mx.random.normal((1536, 576), key=keys[1])
-    w = w.astype(mx.float16) if half_stored else w
+    w = w.astype(mx.float16) if supported(ext) else w
     mx.eval(x, w, ext.small_linear(x, w), x @ widened(w).T)  # warm both
     kernel, blas = [], []
     for _ in range(5):
@@ -78,16 +80,16 @@ def prefill_on_kernel(ext, half_stored: bool = False) -> bool:
         blas.append(time.perf_counter() - t0)
     chosen = min(blas) >= MARGIN * min(kernel)
     log.info("prefill_linears", on="kernel" if chosen else "blas", kernel_ms=round(min(kernel) * 1e3, 3),
-             blas_ms=round(min(blas) * 1e3, 3), weights="float16" if half_stored else "float32")
+             blas_ms=round(min(blas) * 1e3, 3), weights=str(w.dtype))
     return chosen
 
 
 def wide_linear(ext, x: mx.array, weight: mx.array, rows: int) -> mx.array:
     """``x @ weight.T`` for more rows than the small-M kernel's: the kernel where it is the
-    faster (float32, ``prefill_on_kernel``), else the BLAS, each ``row_blocks`` block apart
-    where this BLAS would change its bits inside the larger product."""
+    faster (``prefill_on_kernel``; float32 or float16 weights), else the BLAS, each
+    ``row_blocks`` block apart where this BLAS would change its bits inside the larger product."""
     if (ext is not None and x.dtype == mx.float32 and weight_ok(ext, weight) and weight.ndim == 2
-            and prefill_on_kernel(ext, weight.dtype == mx.float16)):
+            and prefill_on_kernel(ext)):
         return ext.small_linear(x, weight)
     weight = widened(weight)  # a half-stored weight: the BLAS multiplies its exact float32 values
     block = _blocks.get()
