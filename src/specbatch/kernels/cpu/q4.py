@@ -35,22 +35,21 @@ def blocks_of(model: nn.Module) -> dict:
 
 def register(ext, model: nn.Module, blocks: dict) -> int:
     """Hand the kernels each half-stored linear's blocks where they rebuild it exactly (the
-    module's ``_sb_q4_bytes`` says how many bytes a decode row then reads); returns how many
-    matrices read them."""
+    module's ``_sb_q4_bytes`` says how many bytes a decode row then reads: the kernel keeps its
+    own copy, repacked); returns how many matrices read them."""
     if ext is None or not blocks or os.environ.get(ENV, "1") == "0":
         return 0
-    done = 0
+    done = held = 0
     for name, m in model.named_modules():
         parts = blocks.get(name)
         if parts is None or getattr(m, "weight", None) is None or m["weight"].dtype != mx.float16:
             continue
-        if ext.q4_register(m["weight"], *parts):
-            m._sb_q4_bytes = sum(a.nbytes for a in parts)  # what a decode row reads of it
-            weakref.finalize(m, ext.q4_forget, m["weight"])  # the registry holds the arrays until the module goes
-            done += 1
+        if nbytes := ext.q4_register(m["weight"], *parts):
+            m._sb_q4_bytes = nbytes  # what a decode row reads of it
+            weakref.finalize(m, ext.q4_forget, m["weight"])  # the registry holds its copy until the module goes
+            done, held = done + 1, held + nbytes
     if done:
-        log.info("q4_blocks", matrices=done, of=len(blocks), mb=round(sum(
-            sum(a.nbytes for a in parts) for parts in blocks.values()) / 2**20, 1))
+        log.info("q4_blocks", matrices=done, of=len(blocks), mb=round(held / 2**20, 1))
     return done
 
 

@@ -60,7 +60,8 @@ NB_MODULE(_ext, m) {
         "Gumbel noise [B, N, vocab] keyed by (seed, position, token), one op");
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
   m.def("q4_register", &specbatch::q4_register, nb::arg("half"), nb::arg("q"), nb::arg("scales"), nb::arg("biases"),
-        "read a float16 matrix's affine 4-bit blocks for decode rows, where they rebuild it bit for bit");
+        "read a float16 matrix's affine 4-bit blocks for decode rows, where they rebuild it bit for bit; "
+        "the bytes a decode row then reads, 0 where refused");
   m.def("q4_forget", &specbatch::q4_forget, nb::arg("half"), "forget the 4-bit blocks registered for `half`");
   m.def("q4_clear", &specbatch::q4_clear, "forget every registered 4-bit block set");
   m.def("q4_count", &specbatch::q4_count, "how many matrices read their 4-bit blocks");

@@ -89,7 +89,7 @@ void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) 
   for (const auto& t : targets) N += t.rows;
   const bool wide = detect_isa() == Isa::avx512;
   auto kernel = [wide](const float* x, int M, int K, const Weights& w, int a, int b, float* y, int ldy) {
-    if (w.q4.q != nullptr && M <= kQ4MaxRows && wide) return gemv_q4_avx512(x, M, K, w.q4, a, b, y, ldy);
+    if (w.q4.packed != nullptr && M <= kQ4MaxRows && wide) return gemv_q4_avx512(x, M, K, w.q4, a, b, y, ldy);
     if (w.half) {
       const auto* h = static_cast<const uint16_t*>(w.data);
       return wide ? gemv_avx512(x, M, K, h, a, b, y, ldy) : gemv_avx2(x, M, K, h, a, b, y, ldy);

@@ -13,8 +13,9 @@ namespace specbatch {
 namespace {
 
 struct Entry {
-  std::vector<mx::array> arrays;  // half, q, scales, biases: held, so no buffer moves or frees
-  Q4View view;
+  mx::array half;                // the registry's key: held, so its buffer never moves or frees
+  std::vector<uint16_t> packed;  // [N, ceil(K / 64), 16] (below)
+  std::vector<float> sb;         // [N, K / 32, 2]: each group's scale and bias, widened
 };
 
 std::mutex registry_mu;
@@ -24,47 +25,65 @@ std::unordered_map<const void*, Entry>& registry() {
 }
 
 // The 16 values of a group as MLX's dequantize gives them: fp16(fp16(q * s) + b), widened.
-__attribute__((target("avx512f,f16c"))) inline __m512 table(uint16_t s, uint16_t b) {
+__attribute__((target("avx512f,f16c"))) inline __m512 table(const float* sb) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 t = _mm512_mul_ps(iota, _mm512_set1_ps(_cvtsh_ss(s)));  // exact in float32
+  __m512 t = _mm512_mul_ps(iota, _mm512_set1_ps(sb[0]));  // exact in float32
   t = _mm512_cvtph_ps(_mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  t = _mm512_add_ps(t, _mm512_set1_ps(_cvtsh_ss(b)));
+  t = _mm512_add_ps(t, _mm512_set1_ps(sb[1]));
   return _mm512_cvtph_ps(_mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// The 16 weights k .. k + 15 of a group (`bytes`: its 8 bytes holding them) looked up in `t`.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 weights16(__m128i bytes, __m512 t) {
-  const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-  // vpermps reads an index's low 4 bits only: the nibble, in element order
-  return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(bytes, dup)), shifts), t);
+// A block of 64 weights (two groups) is 16 words; word l holds, in its nibble c, the weight
+// 16c + l of the block, so one widening load and a shift by 4c give chunk c's 16 table
+// indices in lane order (vpermps reads an index's low 4 bits only). Against the checkpoint's
+// order (element 2i in byte i's low nibble) that saves a byte shuffle a chunk: one process,
+// one core, the target's 210 matrices, 1 / 2 / 3 rows 0.65 / 0.60 / 0.63x the time.
+std::vector<uint16_t> pack(const uint8_t* q, int N, int K) {
+  const int blocks = (K + 63) / 64;
+  std::vector<uint16_t> out(static_cast<size_t>(N) * blocks * 16, 0);
+  for (long n = 0; n < N; ++n)
+    for (int k = 0; k < K; ++k) {
+      const uint8_t byte = q[(n * K + k) / 2];
+      const int nibble = k % 2 ? byte >> 4 : byte & 15, b = k / 64, c = (k % 64) / 16;
+      out[(n * blocks + b) * 16 + k % 16] |= static_cast<uint16_t>(nibble << (4 * c));
+    }
+  return out;
+}
+
+// Chunk c of a block whose words widen to `idx`, looked up in its group's table.
+__attribute__((target("avx512f"))) inline __m512 chunk(__m512i idx, int c, __m512 t) {
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4 * c), t);
 }
 
 // NB weight rows at once: NB independent accumulator chains per token row (one chain alone
 // waits on each FMA's latency), each still summing its k in order.
 template <int NB, int MB>
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void tile(const float* x, int K, const Q4View& w, int n,
-                                                                     float* y, int N) {
-  const int G = K / 32;
-  const uint8_t* q = w.q + (long)n * K / 2;
-  const uint16_t* s = w.scales + (long)n * G;
-  const uint16_t* b = w.biases + (long)n * G;
+__attribute__((target("avx512f,avx512bw,f16c"))) void tile(const float* x, int K, const Q4View& w, int n, float* y,
+                                                           int N) {
+  const int G = K / 32, blocks = (K + 63) / 64;
   __m512 acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int g = 0; g < G; ++g) {
-    __m512 w0[NB], w1[NB];
+  for (int g = 0; g < G; g += 2) {
+    const int chunks = g + 1 < G ? 4 : 2;  // K / 32 odd: the last block holds one group
+    __m512 wv[NB][4];
     for (int i = 0; i < NB; ++i) {
-      const uint8_t* qi = q + (long)i * K / 2 + 16 * g;
-      if (g % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(qi + (long)NB * 4 * K / 2), _MM_HINT_T0);
-      const __m512 t = table(s[(long)i * G + g], b[(long)i * G + g]);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qi));
-      w0[i] = weights16(bytes, t), w1[i] = weights16(_mm_srli_si128(bytes, 8), t);
+      const uint16_t* p = w.packed + ((long)(n + i) * blocks + g / 2) * 16;
+      if (g % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + (long)NB * 4 * blocks * 16), _MM_HINT_T0);
+      const float* sb = w.sb + ((long)(n + i) * G + g) * 2;
+      const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      const __m512 t0 = table(sb);
+      wv[i][0] = chunk(idx, 0, t0), wv[i][1] = chunk(idx, 1, t0);
+      if (chunks == 4) {
+        const __m512 t1 = table(sb + 2);
+        wv[i][2] = chunk(idx, 2, t1), wv[i][3] = chunk(idx, 3, t1);
+      }
     }
-    for (int j = 0; j < MB; ++j) {  // k in order per lane, as the float16 path sums it
-      const __m512 x0 = _mm512_loadu_ps(x + (long)j * K + 32 * g), x1 = _mm512_loadu_ps(x + (long)j * K + 32 * g + 16);
-      for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(w1[i], x1, _mm512_fmadd_ps(w0[i], x0, acc[i][j]));
-    }
+    for (int j = 0; j < MB; ++j)  // k in order per lane, as the float16 path sums it
+      for (int c = 0; c < chunks; ++c) {
+        const __m512 xv = _mm512_loadu_ps(x + (long)j * K + 32 * g + 16 * c);
+        for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i][c], xv, acc[i][j]);
+      }
   }
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) y[(long)j * N + n + i] = _mm512_reduce_add_ps(acc[i][j]);
@@ -87,17 +106,17 @@ void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n
 }
 
 namespace {
-// Every weight the blocks give against the float16 matrix, bit for bit.
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) bool rebuilds(const uint16_t* half, int N, int K,
-                                                                         const Q4View& w) {
-  const int G = K / 32;
+// Every weight the packed blocks give against the float16 matrix, bit for bit.
+__attribute__((target("avx512f,avx512bw,f16c"))) bool rebuilds(const uint16_t* half, int N, int K, const Q4View& w) {
+  const int G = K / 32, blocks = (K + 63) / 64;
   alignas(64) float got[16];
   for (int n = 0; n < N; ++n)
     for (int g = 0; g < G; ++g) {
-      const __m512 t = table(w.scales[(long)n * G + g], w.biases[(long)n * G + g]);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.q + (long)n * K / 2 + 16 * g));
+      const uint16_t* p = w.packed + ((long)n * blocks + g / 2) * 16;
+      const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      const __m512 t = table(w.sb + ((long)n * G + g) * 2);
       for (int h = 0; h < 2; ++h) {
-        _mm512_store_ps(got, weights16(h ? _mm_srli_si128(bytes, 8) : bytes, t));
+        _mm512_store_ps(got, chunk(idx, 2 * (g % 2) + h, t));
         const uint16_t* want = half + (long)n * K + 32 * g + 16 * h;
         for (int l = 0; l < 16; ++l)
           if (_cvtss_sh(got[l], _MM_FROUND_TO_NEAREST_INT) != want[l]) return false;
@@ -105,30 +124,38 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) bool rebuilds(const ui
     }
   return true;
 }
+
+__attribute__((target("f16c"))) std::vector<float> widen_pairs(const uint16_t* s, const uint16_t* b, size_t n) {
+  std::vector<float> out(2 * n);
+  for (size_t i = 0; i < n; ++i) out[2 * i] = _cvtsh_ss(s[i]), out[2 * i + 1] = _cvtsh_ss(b[i]);
+  return out;
+}
 }  // namespace
 
-bool q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases) {
+int q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases) {
   if (detect_isa() != Isa::avx512 || half.dtype() != mx::float16 || half.ndim() != 2 || q.dtype() != mx::uint32 ||
       scales.dtype() != mx::float16 || biases.dtype() != mx::float16)
-    return false;
+    return 0;
   const int N = half.shape(0), K = half.shape(1);
   if (K % 32 != 0 || q.shape() != mx::Shape{N, K / 8} || scales.shape() != mx::Shape{N, K / 32} ||
       biases.shape() != scales.shape())
-    return false;
+    return 0;
   for (const auto* a : {&half, &q, &scales, &biases})
-    if (!a->flags().row_contiguous) return false;
+    if (!a->flags().row_contiguous) return 0;
   mx::eval({half, q, scales, biases});
-  Q4View view{reinterpret_cast<const uint8_t*>(q.data<uint32_t>()), scales.data<uint16_t>(), biases.data<uint16_t>()};
-  if (!rebuilds(half.data<uint16_t>(), N, K, view)) return false;
+  Entry e{half, pack(reinterpret_cast<const uint8_t*>(q.data<uint32_t>()), N, K),
+          widen_pairs(scales.data<uint16_t>(), biases.data<uint16_t>(), scales.size())};
+  if (!rebuilds(half.data<uint16_t>(), N, K, Q4View{e.packed.data(), e.sb.data()})) return 0;
+  const int bytes = static_cast<int>(e.packed.size() * sizeof(uint16_t) + e.sb.size() * sizeof(float));
   std::lock_guard<std::mutex> lock(registry_mu);
-  registry()[half.data<uint16_t>()] = Entry{{half, q, scales, biases}, view};
-  return true;
+  registry().insert_or_assign(half.data<uint16_t>(), std::move(e));
+  return bytes;
 }
 
 Q4View q4_lookup(const void* data) {
   std::lock_guard<std::mutex> lock(registry_mu);
   auto it = registry().find(data);
-  return it == registry().end() ? Q4View{} : it->second.view;
+  return it == registry().end() ? Q4View{} : Q4View{it->second.packed.data(), it->second.sb.data()};
 }
 
 void q4_forget(const mx::array& half) {

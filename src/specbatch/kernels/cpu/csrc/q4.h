@@ -14,12 +14,11 @@ namespace specbatch {
 
 namespace mx = mlx::core;
 
-// A matrix's 4-bit blocks: q [N, K / 2] bytes (element 2i in byte i's low nibble), scales
-// and biases [N, K / 32] float16 bits.
+// A matrix's 4-bit blocks as the kernel reads them (q4.cpp): nibbles packed a 64-weight block
+// at a time, and each group's scale and bias widened, side by side.
 struct Q4View {
-  const uint8_t* q = nullptr;
-  const uint16_t* scales = nullptr;
-  const uint16_t* biases = nullptr;
+  const uint16_t* packed = nullptr;
+  const float* sb = nullptr;
 };
 
 // Token rows up to which decode reads the blocks (each group's table is built once for all;
@@ -28,10 +27,11 @@ struct Q4View {
 constexpr int kQ4MaxRows = 3;
 
 // Register `half` [N, K] float16's blocks (q uint32 [N, K / 8], scales and biases float16
-// [N, K / 32]) where they rebuild it exactly; false (and nothing kept) where they do not, or
-// where the CPU lacks AVX-512. The registry holds the arrays, so their buffers stay put.
-bool q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases);
-// The blocks registered for the float16 buffer at `data`, or a view with q == nullptr.
+// [N, K / 32]) where they rebuild it exactly, returning the bytes a decode row then reads; 0
+// (and nothing kept) where they do not, or where the CPU lacks AVX-512. The registry keeps its
+// own copy of the blocks and holds `half`, so the key's buffer stays put.
+int q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases);
+// The blocks registered for the float16 buffer at `data`, or a view with packed == nullptr.
 Q4View q4_lookup(const void* data);
 // Forget `half`'s registration (its module is gone), or every one (tests); how many are held.
 void q4_forget(const mx::array& half);
