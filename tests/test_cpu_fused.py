@@ -102,6 +102,43 @@ def test_mlp_block_is_the_separate_kernels_bit_for_bit(b, length, k, i, seed):
 
 
 @needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 32), k=st.integers(1, 70), j=st.integers(1, 90), seed=st.integers(0, 2**16),
+       half_weights=st.booleans())
+def test_mlp_block_projecting_attention_is_o_proj_then_the_block_bit_for_bit(rows, k, j, seed, half_weights):
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: mx.array(rng.standard_normal(shape), dtype=mx.float32)  # noqa: E731
+    x, heads, norm = normal(1, rows, k), normal(1, rows, j), normal(k)
+    wg, wu, wd, wo = normal(2 * k, k), normal(2 * k, k), normal(k, 2 * k), normal(k, j)
+    if half_weights and cpu.half.supported(cpu.extension()):  # float16-exact values stored half
+        wg, wu, wd, wo = (w.astype(mx.float16) for w in (wg, wu, wd, wo))
+    want = cpu.mlp_block(x, cpu.linear(heads, wo), norm, 1e-5, wg, wu, wd)
+    assert mx.array_equal(cpu.mlp_block(x, heads, norm, 1e-5, wg, wu, wd, wo), want).item()
+
+
+@needs_kernels
+def test_mlp_block_projecting_attention_has_gradients_and_checks_shapes():
+    x, heads, norm = mx.random.normal((2, 3, 24)), mx.random.normal((2, 3, 16)), mx.random.normal((24,))
+    wg, wu, wd = mx.random.normal((40, 24)) * 0.2, mx.random.normal((40, 24)) * 0.2, mx.random.normal((24, 40)) * 0.2
+    wo = mx.random.normal((24, 16)) * 0.2
+
+    def plain(heads, wo):
+        h = x + heads @ wo.T
+        n = mx.fast.rms_norm(h, norm, 1e-5)
+        g, u = n @ wg.T, n @ wu.T
+        return h + (g * mx.sigmoid(g) * u) @ wd.T
+    loss = lambda f: lambda a, w: (f(a, w) ** 2).sum()  # noqa: E731
+    ours = mx.grad(loss(lambda a, w: cpu.mlp_block(x, a, norm, 1e-5, wg, wu, wd, w)), argnums=(0, 1))(heads, wo)
+    theirs = mx.grad(loss(plain), argnums=(0, 1))(heads, wo)
+    for a, b in zip(ours, theirs):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-3).item()
+    with pytest.raises(ValueError, match="wo"):
+        cpu.extension().mlp_block(x, heads, norm, 1e-5, wg, wu, wd, wo.T)
+    with pytest.raises(ValueError, match="wo"):
+        cpu.extension().mlp_block(x, heads[:, :2], norm, 1e-5, wg, wu, wd, wo)
+
+
+@needs_kernels
 def test_mlp_block_has_gradients_and_leaves_wide_inputs_to_the_modules():
     x, r, norm = mx.random.normal((2, 3, 24)), mx.random.normal((2, 3, 24)), mx.random.normal((24,))
     wg, wu, wd = mx.random.normal((40, 24)) * 0.2, mx.random.normal((40, 24)) * 0.2, mx.random.normal((24, 40)) * 0.2

@@ -194,15 +194,16 @@ def add_rms_norm(x: mx.array, r: mx.array, weight: mx.array, eps: float) -> tupl
     return tuple(ext.add_rms_norm(x, r, weight, eps))
 
 
-def mlp_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float, wg, wu, wd) -> mx.array | None:
+def mlp_block(x: mx.array, r: mx.array, norm_weight: mx.array, eps: float, wg, wu, wd, wo=None) -> mx.array | None:
     """``h + down(swiglu(gate(n), up(n)))`` for ``h = x + r``, ``n = rms_norm(h)`` as one op (float32
-    decode and verify rows; bitwise the separate kernels); None where it does not apply."""
+    decode and verify rows; bitwise the separate kernels); with ``wo`` ``r`` is attention's merged
+    heads, projected first (``r @ wo.T``, the output projection). None where it does not apply."""
     ext = _active()
-    if (ext is None or x.shape != r.shape or not 0 < rows_of(x) <= MAX_ROWS
+    if (ext is None or (wo is None and x.shape != r.shape) or not 0 < rows_of(x) <= MAX_ROWS
             or any(a.dtype != mx.float32 for a in (x, r, norm_weight))
-            or not all(weight_ok(ext, w) for w in (wg, wu, wd))):
+            or not all(weight_ok(ext, w) for w in (wg, wu, wd) + (() if wo is None else (wo,)))):
         return None
-    return ext.mlp_block(x, r, norm_weight, eps, wg, wu, wd)
+    return ext.mlp_block(x, r, norm_weight, eps, wg, wu, wd, wo)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:

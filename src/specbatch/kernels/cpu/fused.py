@@ -69,9 +69,10 @@ def _rope(attn):
     return (base, positions) if "_sb_inv_freq" in base else None
 
 
-def attention_call(self, x: mx.array, mask=None, cache=None, norm=None) -> mx.array | None:
+def attention_call(self, x: mx.array, mask=None, cache=None, norm=None, project: bool = True) -> mx.array | None:
     """mlx-lm's llama ``Attention.__call__`` on ``qkv_rope``; None where it does not apply.
-    ``norm``: the block's input RMSNorm (a swapped one), applied inside ``qkv_rope`` to ``x``."""
+    ``norm``: the block's input RMSNorm (a swapped one), applied inside ``qkv_rope`` to ``x``;
+    ``project=False``: the merged heads before ``o_proj`` (the caller projects them)."""
     ext = _active()
     q_proj = self["q_proj"]
     weights = _linears(q_proj, self["k_proj"], self["v_proj"])
@@ -87,7 +88,8 @@ def attention_call(self, x: mx.array, mask=None, cache=None, norm=None) -> mx.ar
     norms, eps = ([norm["weight"]], norm.eps) if norm is not None else ([], 0.0)
     q, k, v = ext.qkv_rope(x, *weights, biases, positions.astype(mx.int32), base["_sb_inv_freq"], self.n_heads,
                            self.n_kv_heads, base.dims, base.traditional, base._sb_scale, norms, eps)  # [B, H, L, D] each
-    return self["o_proj"](_append_and_attend(q, k, v, cache, self.scale, mask))  # attention out [B, L, Hq * D]
+    out = _append_and_attend(q, k, v, cache, self.scale, mask)  # [B, L, Hq * D]
+    return self["o_proj"](out) if project else out
 
 
 def mlp_call(self, x: mx.array) -> mx.array | None:
@@ -107,21 +109,28 @@ def mlp_call(self, x: mx.array) -> mx.array | None:
 
 def block_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
     """mlx-lm's llama ``TransformerBlock.__call__`` with everything after attention (the
-    residual add, the norm, the MLP and its add) as one op (``mlp_block``), or at least the
-    add and the norm (``add_rms_norm``); None where the norm is not the kernel's."""
+    output projection, the residual add, the norm, the MLP and its add) as one op
+    (``mlp_block``), or at least the add and the norm (``add_rms_norm``); None where the norm
+    is not the kernel's."""
     post = self["post_attention_layernorm"]
     if not getattr(type(post), "_sb_norm", False):
         return None
-    attn, norm = self["self_attn"], self["input_layernorm"]
+    attn, norm, mlp = self["self_attn"], self["input_layernorm"], self["mlp"]
+    layers = (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]) if getattr(type(mlp), "_sb_mlp", False) else ()
+    weights = _linears(*layers) if layers and not any("bias" in m for m in layers) else None
+    wo = _linears(attn["o_proj"]) if weights is not None and "bias" not in attn["o_proj"] else None
     r = None
     if getattr(type(norm), "_sb_norm", False) and getattr(type(attn), "_sb_qkv", False):
-        r = attention_call(attn, x, mask, cache, norm)  # the input norm inside qkv_rope: one node fewer
+        # the input norm inside qkv_rope, the output projection inside mlp_block: two nodes fewer
+        r = attention_call(attn, x, mask, cache, norm, project=wo is None)
+        if r is not None and wo is not None:
+            out = mlp_block(x, r, post["weight"], post.eps, *weights, wo[0])
+            if out is not None:
+                return out
+            r = attn["o_proj"](r)
     if r is None:
         r = attn(norm(x), mask, cache)
-    mlp = self["mlp"]
-    layers = (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]) if getattr(type(mlp), "_sb_mlp", False) else ()
-    weights = _linears(*layers) if layers else None
-    if weights is not None and not any("bias" in m for m in layers):
+    if weights is not None:
         out = mlp_block(x, r, post["weight"], post.eps, *weights)  # the add, norm and MLP as one op
         if out is not None:
             return out

@@ -1,4 +1,5 @@
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -52,8 +53,9 @@ NB_MODULE(_ext, m) {
   m.def("gate_up", &specbatch::gate_up, nb::arg("x"), nb::arg("wg"), nb::arg("wu"),
         "x @ wg.T and x @ wu.T in one op for up to 32 rows");
   m.def("mlp_block", &specbatch::mlp_block, nb::arg("x"), nb::arg("r"), nb::arg("norm"), nb::arg("eps"),
-        nb::arg("wg"), nb::arg("wu"), nb::arg("wd"),
-        "h + down(swiglu(gate(n), up(n))) for h = x + r, n = rms_norm(h): a block's second half, one op");
+        nb::arg("wg"), nb::arg("wu"), nb::arg("wd"), nb::arg("wo") = nb::none(),
+        "h + down(swiglu(gate(n), up(n))) for h = x + r (r @ wo.T with wo), n = rms_norm(h): a block's second "
+        "half, one op");
   m.def("swiglu", &specbatch::swiglu, nb::arg("gate"), nb::arg("up"),
         "silu(gate) * up (float32, CPU), one op with a vectorised exp");
   m.def("gumbel", &specbatch::gumbel, nb::arg("seeds"), nb::arg("positions"), nb::arg("vocab"),

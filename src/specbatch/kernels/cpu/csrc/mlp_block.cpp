@@ -1,6 +1,7 @@
 #include "mlp_block.h"
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 
 #include "gemv.h"
@@ -17,13 +18,17 @@
 namespace specbatch {
 
 mx::array mlp_block(const mx::array& x, const mx::array& r, const mx::array& norm, float eps, const mx::array& wg,
-                    const mx::array& wu, const mx::array& wd) {
+                    const mx::array& wu, const mx::array& wd, const std::optional<mx::array>& wo) {
   for (const auto* a : {&x, &r, &norm})
     if (a->dtype() != mx::float32) throw std::invalid_argument("mlp_block: float32 x, r and norm");
   for (const auto* w : {&wg, &wu, &wd})
     if (!weight_dtype_ok(*w)) throw std::invalid_argument("mlp_block: float32 or float16 weights");
-  if (x.ndim() < 1 || x.shape() != r.shape()) throw std::invalid_argument("mlp_block: x and r [..., K] alike");
-  const int K = x.shape(-1);
+  if (wo && !weight_dtype_ok(*wo)) throw std::invalid_argument("mlp_block: float32 or float16 weights");
+  const int K = x.ndim() < 1 ? -1 : x.shape(-1);
+  if (wo && (wo->ndim() != 2 || wo->shape(0) != K || r.ndim() != x.ndim() || r.shape(-1) != wo->shape(1) ||
+             r.size() / std::max(1, wo->shape(1)) != x.size() / std::max(1, K)))
+    throw std::invalid_argument("mlp_block: wo [K, J] and r [..., J] with x's rows");
+  if (x.ndim() < 1 || (!wo && x.shape() != r.shape())) throw std::invalid_argument("mlp_block: x and r [..., K] alike");
   if (norm.ndim() != 1 || norm.shape(0) != K || wg.ndim() != 2 || wg.shape() != wu.shape() || wg.shape(1) != K ||
       wd.ndim() != 2 || wd.shape(0) != K || wd.shape(1) != wg.shape(0))
     throw std::invalid_argument("mlp_block: norm [K], wg and wu [I, K], wd [K, I]");
@@ -31,7 +36,9 @@ mx::array mlp_block(const mx::array& x, const mx::array& r, const mx::array& nor
     throw std::invalid_argument("mlp_block: at most 32 rows");
   if (detect_isa() == Isa::none) throw std::runtime_error("mlp_block: the CPU lacks AVX2/FMA");
   auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<MlpBlock>(s, eps), {x, r, norm, wg, wu, wd});
+  std::vector<mx::array> inputs{x, r, norm, wg, wu, wd};
+  if (wo) inputs.push_back(*wo);
+  return mx::array(x.shape(), mx::float32, std::make_shared<MlpBlock>(s, eps), std::move(inputs));
 }
 
 void MlpBlock::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -39,18 +46,22 @@ void MlpBlock::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& in : inputs) encoder.set_input_array(in);
   encoder.set_output_array(out);
-  const int K = inputs[0].shape(-1), I = inputs[3].shape(0);
+  const int K = inputs[0].shape(-1), I = inputs[3].shape(0), J = inputs[1].shape(-1);
   const int M = K == 0 ? 0 : static_cast<int>(inputs[0].size() / K);
   std::vector<mx::array> weak;  // as MLX's own ops capture: MLX keeps the buffers until the task ran
   for (const auto& in : inputs) weak.push_back(mx::array::unsafe_weak_copy(in));
-  encoder.dispatch([in = std::move(weak), yp = out.data<float>(), M, K, I, eps = eps_]() {
+  encoder.dispatch([in = std::move(weak), yp = out.data<float>(), M, K, I, J, eps = eps_]() {
     if (M == 0 || K == 0) return;
     std::vector<float> copies[3];
     const float* p[3];
     for (int i = 0; i < 3; ++i) p[i] = row_major(in[i], copies[i]);
-    WeightCopy wc[3];
+    WeightCopy wc[4];
     const Weights wg = weights_of(in[3], wc[0]), wu = weights_of(in[4], wc[1]), wd = weights_of(in[5], wc[2]);
     std::vector<float> h(static_cast<size_t>(M) * K), n(h.size()), gu(static_cast<size_t>(M) * I * 2);
+    if (in.size() == 7) {  // r = attention's heads through the output projection, as o_proj's own op sums it
+      gemv_all(p[1], M, J, {{weights_of(in[6], wc[3]), K, n.data(), K}});
+      p[1] = n.data();  // n is free until the norm below writes it
+    }
     for (size_t i = 0; i < h.size(); ++i) h[i] = p[0][i] + p[1][i];
     norm_rows(h.data(), p[2], n.data(), M, K, eps);
     float* g = gu.data();
@@ -68,7 +79,7 @@ std::vector<mx::array> MlpBlock::vjp(const std::vector<mx::array>& primals, cons
                                      const std::vector<int>& argnums, const std::vector<mx::array>&) {
   const float eps = eps_;
   auto f = [eps](const std::vector<mx::array>& in) {
-    auto h = mx::add(in[0], in[1]);
+    auto h = mx::add(in[0], in.size() == 7 ? mx::matmul(in[1], mx::transpose(in[6])) : in[1]);
     auto n = mx::fast::rms_norm(h, in[2], eps);
     auto g = mx::matmul(n, mx::transpose(in[3]));
     auto u = mx::matmul(n, mx::transpose(in[4]));

@@ -1,9 +1,11 @@
 // A llama decoder block's second half as one op for decode and verify rows (at most
-// kMaxRows): h = x + r, then h + down(swiglu(gate(n), up(n))) with n = rms_norm(h). Five
-// graph nodes a layer become one, and the pool runs two passes (gate and up, then down)
-// inside it. Per element the same sums as the separate kernels, so the same bits.
+// kMaxRows): h = x + r, then h + down(swiglu(gate(n), up(n))) with n = rms_norm(h); with
+// `wo`, r is attention's merged heads and the op projects them first (r @ wo.T). Six graph
+// nodes a layer become one, and the pool runs its passes (the projection, gate and up,
+// down) inside it. Per element the same sums as the separate kernels, so the same bits.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "mlx/array.h"
@@ -13,9 +15,9 @@ namespace specbatch {
 
 namespace mx = mlx::core;
 
-// x, r [..., K]; norm [K]; wg, wu [I, K]; wd [K, I] (float32) -> [..., K].
+// x, r [..., K] (with wo [K, J]: r [..., J]); norm [K]; wg, wu [I, K]; wd [K, I] -> [..., K].
 mx::array mlp_block(const mx::array& x, const mx::array& r, const mx::array& norm, float eps, const mx::array& wg,
-                    const mx::array& wu, const mx::array& wd);
+                    const mx::array& wu, const mx::array& wd, const std::optional<mx::array>& wo = std::nullopt);
 
 class MlpBlock : public mx::UnaryPrimitive {
  public:
