@@ -105,3 +105,33 @@ def test_training_path_matches_the_drafting_path(tiny, head):
         step, _, _ = head.step(H[:, n], runner.embed(x[:, n + 1]), mx.array([n + 1]), K[..., :n + 1, :],
                                V[..., :n + 1, :], mx.ones((1, n + 1), dtype=mx.bool_), [], [])
         assert mx.allclose(step, out[:, n], atol=1e-4), n
+
+
+def test_a_swapped_heads_step_is_two_fused_ops_with_the_separate_kernels_bits(tiny, monkeypatch):
+    from specbatch.kernels import cpu
+    from specbatch.kernels.cpu import fused
+    from specbatch.kernels.cpu.modules import use_cpu_kernels
+    from specbatch.kernels.drafters.mtp import head_config
+    if not cpu.status().active:
+        pytest.skip(f"CPU kernels inactive: {cpu.status().why}")
+    mx.random.seed(5)
+    swapped = MTPHead(head_config(tiny.model.args, intermediate_size=64))
+    assert use_cpu_kernels(swapped) > 0
+    runner = ModelRunner(tiny.model)
+    cache = tiny.model.make_cache()
+    x = mx.array([[5, 9, 33, 7, 120, 44], [8, 2, 61, 19, 4, 90]])
+    runner.forward(x, cache)
+    H, K, V = runner.hidden, cache[-1].keys[..., :6, :], cache[-1].values[..., :6, :]
+    own_k, own_v = [K[..., 5:, :]], [V[..., 5:, :]]  # a second draft step: one key of its own already
+    args = (H[:, 4], runner.embed(x[:, 5]), mx.array([5, 5]), K[..., :5, :], V[..., :5, :],
+            mx.ones((2, 5), dtype=mx.bool_), own_k, own_v)
+    ran = []
+    for name in ("qkv_heads", "projected_block"):
+        original = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, f=original: ran.append(f(*a)) or ran[-1])
+    one_op = swapped.step(*args)
+    assert len(ran) == 2 and all(r is not None for r in ran)  # both fused ops applied
+    monkeypatch.setattr(fused, "qkv_heads", lambda *a: None)
+    monkeypatch.setattr(fused, "projected_block", lambda *a: None)
+    separate = swapped.step(*args)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(one_op, separate))

@@ -69,27 +69,52 @@ def _rope(attn):
     return (base, positions) if "_sb_inv_freq" in base else None
 
 
+def qkv_heads(attn, x: mx.array, positions: mx.array | None, norm=None) -> tuple | None:
+    """(q, k, v) ``[B, H, L, D]`` of mlx-lm's llama ``Attention`` ``attn`` for ``x`` as one
+    ``qkv_rope`` op (k roped at ``positions``: int32 ``[1]`` / ``[B]`` first positions; None:
+    the layer's own per-node positions), ``norm`` (a swapped RMSNorm) applied to ``x`` first;
+    None where the op does not apply."""
+    ext = _active()
+    q_proj = attn["q_proj"]
+    weights = _linears(q_proj, attn["k_proj"], attn["v_proj"])
+    rope = _rope(attn)
+    if (ext is None or weights is None or rope is None or x.dtype != mx.float32 or x.ndim != 3
+            or not 0 < rows_of(x) <= MAX_ROWS or "q_norm" in attn
+            or (norm is not None and (norm["weight"].dtype != mx.float32 or not getattr(type(norm), "_sb_norm", False)))):
+        return None
+    base, own = rope
+    positions = own if own is not None else positions
+    biases = [attn[p]["bias"] for p in ("q_proj", "k_proj", "v_proj")] if "bias" in q_proj else []
+    norms, eps = ([norm["weight"]], norm.eps) if norm is not None else ([], 0.0)
+    return ext.qkv_rope(x, *weights, biases, positions.astype(mx.int32), base["_sb_inv_freq"], attn.n_heads,
+                        attn.n_kv_heads, base.dims, base.traditional, base._sb_scale, norms, eps)
+
+
 def attention_call(self, x: mx.array, mask=None, cache=None, norm=None, project: bool = True) -> mx.array | None:
     """mlx-lm's llama ``Attention.__call__`` on ``qkv_rope``; None where it does not apply.
     ``norm``: the block's input RMSNorm (a swapped one), applied inside ``qkv_rope`` to ``x``;
     ``project=False``: the merged heads before ``o_proj`` (the caller projects them)."""
-    ext = _active()
-    q_proj = self["q_proj"]
-    weights = _linears(q_proj, self["k_proj"], self["v_proj"])
-    rope = _rope(self)
-    if (ext is None or weights is None or rope is None or x.dtype != mx.float32 or x.ndim != 3
-            or not 0 < rows_of(x) <= MAX_ROWS or "q_norm" in self or hasattr(cache, "bits")
-            or (norm is not None and norm["weight"].dtype != mx.float32)):
+    if hasattr(cache, "bits"):
         return None
-    base, positions = rope
-    if positions is None:
-        positions = rope_positions(cache.offset if cache is not None else 0)
-    biases = [self[p]["bias"] for p in ("q_proj", "k_proj", "v_proj")] if "bias" in q_proj else []
-    norms, eps = ([norm["weight"]], norm.eps) if norm is not None else ([], 0.0)
-    q, k, v = ext.qkv_rope(x, *weights, biases, positions.astype(mx.int32), base["_sb_inv_freq"], self.n_heads,
-                           self.n_kv_heads, base.dims, base.traditional, base._sb_scale, norms, eps)  # [B, H, L, D] each
-    out = _append_and_attend(q, k, v, cache, self.scale, mask)  # [B, L, Hq * D]
+    heads = qkv_heads(self, x, rope_positions(cache.offset if cache is not None else 0), norm)
+    if heads is None:
+        return None
+    out = _append_and_attend(*heads, cache, self.scale, mask)  # [B, L, Hq * D]
     return self["o_proj"](out) if project else out
+
+
+def projected_block(block, x: mx.array, heads: mx.array) -> mx.array | None:
+    """``block``'s second half (output projection, residual add, norm, MLP and its add) over
+    attention's merged heads ``[B, L, Hq * D]`` as one ``mlp_block`` op; None where it does
+    not apply."""
+    post, mlp, attn = block["post_attention_layernorm"], block["mlp"], block["self_attn"]
+    if not getattr(type(post), "_sb_norm", False) or not getattr(type(mlp), "_sb_mlp", False):
+        return None
+    layers = (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"], attn["o_proj"])
+    weights = _linears(*layers)
+    if weights is None or any("bias" in m for m in layers):
+        return None
+    return mlp_block(x, heads, post["weight"], post.eps, *weights)
 
 
 def mlp_call(self, x: mx.array) -> mx.array | None:
@@ -115,22 +140,22 @@ def block_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
     post = self["post_attention_layernorm"]
     if not getattr(type(post), "_sb_norm", False):
         return None
-    attn, norm, mlp = self["self_attn"], self["input_layernorm"], self["mlp"]
-    layers = (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]) if getattr(type(mlp), "_sb_mlp", False) else ()
-    weights = _linears(*layers) if layers and not any("bias" in m for m in layers) else None
-    wo = _linears(attn["o_proj"]) if weights is not None and "bias" not in attn["o_proj"] else None
+    attn, norm = self["self_attn"], self["input_layernorm"]
     r = None
     if getattr(type(norm), "_sb_norm", False) and getattr(type(attn), "_sb_qkv", False):
         # the input norm inside qkv_rope, the output projection inside mlp_block: two nodes fewer
-        r = attention_call(attn, x, mask, cache, norm, project=wo is None)
-        if r is not None and wo is not None:
-            out = mlp_block(x, r, post["weight"], post.eps, *weights, wo[0])
+        r = attention_call(attn, x, mask, cache, norm, project=False)
+        if r is not None:
+            out = projected_block(self, x, r)
             if out is not None:
                 return out
             r = attn["o_proj"](r)
     if r is None:
         r = attn(norm(x), mask, cache)
-    if weights is not None:
+    mlp = self["mlp"]
+    layers = (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]) if getattr(type(mlp), "_sb_mlp", False) else ()
+    weights = _linears(*layers) if layers else None
+    if weights is not None and not any("bias" in m for m in layers):
         out = mlp_block(x, r, post["weight"], post.eps, *weights)  # the add, norm and MLP as one op
         if out is not None:
             return out

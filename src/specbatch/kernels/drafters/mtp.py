@@ -34,6 +34,7 @@ from mlx_lm.models import llama
 
 from ...runtime.tree_shape import TreeLayout
 from ..cpu import attention as cpu_attention
+from ..cpu import fused
 from ..cpu import linear as cpu_linear
 from ..kv import RaggedKVCache
 from .base import ANY_WIDTH, Capture, Chooser, DraftTree
@@ -93,19 +94,25 @@ class MTPHead(nn.Module):
         Returns (hidden [B, D], new own key, new own value)."""
         attn = self.block.self_attn
         x = self.eh_proj(mx.concatenate([self.enorm(emb), self.hnorm(h)], axis=-1))[:, None]  # [B, 1, D]
-        a = self.block.input_layernorm(x)
-        B = a.shape[0]
-        q = attn.q_proj(a).reshape(B, 1, attn.n_heads, -1).transpose(0, 2, 1, 3)
-        k = attn.k_proj(a).reshape(B, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = attn.v_proj(a).reshape(B, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = attn.rope(q, offset=positions), attn.rope(k, offset=positions)
+        B = x.shape[0]
+        heads = fused.qkv_heads(attn, x, positions, self.block["input_layernorm"])  # one op where it applies
+        if heads is None:
+            a = self.block.input_layernorm(x)
+            q = attn.q_proj(a).reshape(B, 1, attn.n_heads, -1).transpose(0, 2, 1, 3)
+            k = attn.k_proj(a).reshape(B, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            v = attn.v_proj(a).reshape(B, 1, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            q, k = attn.rope(q, offset=positions), attn.rope(k, offset=positions)
+        else:
+            q, k, v = heads  # [B, H, 1, d]
         keys = mx.concatenate([ctx_keys, *own_keys, k], axis=2)
         values = mx.concatenate([ctx_values, *own_values, v], axis=2)
         mask = mx.concatenate([ctx_mask, mx.ones((B, len(own_keys) + 1), dtype=mx.bool_)], axis=1)
-        out = cpu_attention(q, keys, values, attn.scale, mask[:, None, None, :])  # the CPU kernel where it applies
-        x = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, 1, -1))
-        x = x + self.block.mlp(self.block.post_attention_layernorm(x))
-        return self.norm(x)[:, 0], k, v
+        out = cpu_attention(q, keys, values, attn.scale, mask[:, None, None, :], merge_heads=True)  # [B, 1, Hq * d]
+        y = fused.projected_block(self.block, x, out)  # the block's second half as one op where it applies
+        if y is None:
+            x = x + attn.o_proj(out)
+            y = x + self.block.mlp(self.block.post_attention_layernorm(x))
+        return self.norm(y)[:, 0], k, v
 
 
     def train_forward(self, hidden, emb, ctx_keys, ctx_values):
