@@ -1,6 +1,7 @@
 // 4-bit weights for decode rows: a half-stored matrix that came from affine 4-bit blocks (the
 // GGUF's Q4_0 / Q4_1 as MLX quantizes them: 32 weights a group, float16 scale and bias) can
-// also be read as those blocks, 0.625 bytes a weight instead of 2. Each group's 16 values are
+// also be read as those blocks: 0.75 bytes a weight instead of 2 (the nibbles repacked, each
+// group's scale and bias widened to float32 at registration). Each group's 16 values are
 // rebuilt as MLX's dequantize rounds them (q * scale to float16, + bias to float16) into a
 // lookup table, so every weight read is the float16 matrix's value and every sum the float16
 // path's, bit for bit; registration checks that for the whole matrix before it is used.
@@ -22,8 +23,8 @@ struct Q4View {
 };
 
 // Token rows up to which decode reads the blocks (each group's table is built once for all;
-// one process, interleaved, a step over the float16 path's: 1 row 0.85-0.87x, 2 positions
-// 0.92x, 3 positions 0.95-0.98x, 4 positions 1.03-1.08x).
+// one process, interleaved, a step over the float16 path's: 1 row 0.83x, 2 positions 0.89x,
+// 3 positions 0.92x, 4 positions or rows 0.98-1.00x, 6 and 8 rows 1.32-1.58x).
 constexpr int kQ4MaxRows = 3;
 
 // Register `half` [N, K] float16's blocks (q uint32 [N, K / 8], scales and biases float16
