@@ -28,6 +28,7 @@ of the weights; *small* means at most ``MAX_ROWS`` of them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -59,6 +60,22 @@ _off = Scoped(False)  # inside `disabled()` on this thread
 def disabled():
     """Run MLX's own ops inside this block (baselines measured on the same loaded model)."""
     return _off.within(True)
+
+
+@contextlib.contextmanager
+def narrowed(threads: int = 1):
+    """Kernels evaluated while this block runs split over at most ``threads`` threads: a small
+    graph handed to ``mx.async_eval`` computes on one core while this thread builds the next
+    graph on the other (every sum is one thread's whole, so the bits never change)."""
+    ext = _active()
+    if ext is None:
+        yield
+        return
+    ext.pool_cap(threads)
+    try:
+        yield
+    finally:
+        ext.pool_cap(0)
 
 
 def _load() -> tuple[object | None, KernelStatus]:

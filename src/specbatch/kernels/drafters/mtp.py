@@ -151,6 +151,7 @@ class MTPDrafter:
     """Drafter protocol over an ``MTPHead`` that shares the target's embedding, head and KV."""
 
     tree_width = ANY_WIDTH
+    draft_on_one_core = True  # a step is small: one core drafts while the other builds the verify (spec_round)
 
     def __init__(self, head: MTPHead, runner):
         self.head, self.runner = head, runner

@@ -17,10 +17,13 @@ acceptance at temperature, but the output depends on the drafts.
 
 from __future__ import annotations
 
+import contextlib
+
 import attrs
 import mlx.core as mx
 
 from ...runtime.params import TokenLogprob
+from ..cpu import narrowed
 from ..logprobs import gather, read
 from ..runner import draft_states
 from ..sampling import RowSampling, adjusted, filter_logits, position_noise, positions_from, sample
@@ -138,14 +141,21 @@ def spec_round(target, target_cache: list, drafter, pending: list[int], prev: li
         choose = coupled_chooser(rows, starts)
     else:
         choose = greedy_chooser()
-    drafts, draft_logits = drafter.draft(mx.array(prev, dtype=mx.int32), pend, k, choose,
-                                         context=target_cache)  # [B, k]
-    logits = target.forward(mx.concatenate([pend[:, None], drafts], axis=1), target_cache)  # [B, k+1, V]
-    if rejection:
-        tokens, accepted = verify_rejection(logits, draft_logits, drafts, rows, starts)
-    else:
-        tokens, accepted = verify_coupled(logits, drafts, rows, starts)
-    return read_round(tokens, accepted, k, gather(logits, tokens, rows.logprobs))  # the target's, never the drafter's
+    # a drafter that asks computes its drafts on one core while this thread builds the verify
+    # (one process, interleaved, the MTP head's rounds at k = 1 / 2: 0.95 / 0.97x the time)
+    overlap = getattr(drafter, "draft_on_one_core", False)
+    with narrowed() if overlap else contextlib.nullcontext():
+        drafts, draft_logits = drafter.draft(mx.array(prev, dtype=mx.int32), pend, k, choose,
+                                             context=target_cache)  # [B, k]
+        if overlap:
+            mx.async_eval(drafts, draft_logits)
+        logits = target.forward(mx.concatenate([pend[:, None], drafts], axis=1), target_cache)  # [B, k+1, V]
+        if rejection:
+            tokens, accepted = verify_rejection(logits, draft_logits, drafts, rows, starts)
+        else:
+            tokens, accepted = verify_coupled(logits, drafts, rows, starts)
+        lazy = gather(logits, tokens, rows.logprobs)  # the target's, never the drafter's
+    return read_round(tokens, accepted, k, lazy)
 
 
 def bonus_hidden(runner, accepted: list[int]) -> mx.array | None:

@@ -156,7 +156,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     p.run([&](int part) {
       if (part >= parts) return;
       for (int64_t t = tasks * part / parts; t < tasks * (part + 1) / parts; ++t) kernel(a, t);
-    });
+    }, parts);
   });
 }
 

@@ -61,6 +61,8 @@ NB_MODULE(_ext, m) {
   m.def("gumbel", &specbatch::gumbel, nb::arg("seeds"), nb::arg("positions"), nb::arg("vocab"),
         "Gumbel noise [B, N, vocab] keyed by (seed, position, token), one op");
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
+  m.def("pool_cap", &specbatch::Pool::cap, nb::arg("threads"),
+        "split the kernels evaluated from now on over at most `threads` threads (0: all)");
   m.def("q4_register", &specbatch::q4_register, nb::arg("half"), nb::arg("q"), nb::arg("scales"), nb::arg("biases"),
         "read a float16 matrix's affine 4-bit blocks for decode rows, where they rebuild it bit for bit; "
         "the bytes a decode row then reads, 0 where refused");

@@ -110,7 +110,7 @@ void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) 
       if (a < b) kernel(x, M, K, t.w, a - first, b - first, t.y, t.ldy);
       first += t.rows;
     }
-  });
+  }, parts);
 }
 
 // Gradients with MLX's own ops (training a head through a swapped linear still works).

@@ -36,8 +36,9 @@ Pool::~Pool() {
   for (auto& t : workers_) t.join();
 }
 
-void Pool::run(const std::function<void(int)>& fn) {
-  if (workers_.empty()) {
+void Pool::run(const std::function<void(int)>& fn, int parts) {
+  parts = std::min(parts, static_cast<int>(workers_.size()) + 1);
+  if (parts <= 1) {  // one part: no worker woken (nor its core kept spinning)
     fn(0);
     return;
   }
@@ -47,6 +48,7 @@ void Pool::run(const std::function<void(int)>& fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     job_ = &fn;
+    parts_ = parts;
     pending_.store(static_cast<int>(workers_.size()));
     generation_.fetch_add(1, std::memory_order_release);
   }
@@ -70,22 +72,24 @@ void Pool::work(int id) {
       sleeping_.fetch_sub(1);
     }
     const std::function<void(int)>* job;
+    int parts;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) return;
       seen = generation_.load();
-      job = job_;
+      job = job_, parts = parts_;
     }
-    (*job)(id);
+    if (id < parts) (*job)(id);
     pending_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
 
 void Pool::split(int64_t n, int64_t cost, int64_t alone, const std::function<void(int64_t, int64_t)>& fn,
                  int64_t align) {
-  if (n * cost < alone) return fn(0, n);
-  const int64_t per = ((n + size() - 1) / size() + align - 1) / align * align;
-  run([&](int part) { fn(std::min(n, part * per), std::min(n, (part + 1) * per)); });
+  const int parts = size();  // read once: cap() may change while this runs
+  if (n * cost < alone || parts == 1) return fn(0, n);
+  const int64_t per = ((n + parts - 1) / parts + align - 1) / align * align;
+  run([&](int part) { fn(std::min(n, part * per), std::min(n, (part + 1) * per)); }, parts);
 }
 
 Pool& pool() {

@@ -16,10 +16,19 @@ class Pool {
  public:
   explicit Pool(int threads);
   ~Pool();
-  int size() const { return static_cast<int>(workers_.size()) + 1; }
-  // Runs fn(0..size()-1), part 0 on the calling thread; returns when all are done. Callers
-  // on different threads (MLX runs one stream thread per stream) take turns.
-  void run(const std::function<void(int)>& fn);
+  // The threads a kernel splits over: every one, or fewer while cap() is set.
+  int size() const {
+    const int n = static_cast<int>(workers_.size()) + 1, c = cap_.load(std::memory_order_relaxed);
+    return c > 0 && c < n ? c : n;
+  }
+  // Kernels evaluated from now on split over at most `threads` (0: all), until the next call:
+  // a small graph computing on one core while the caller builds the next on the other. The
+  // sums never depend on it (each output is one thread's whole).
+  static void cap(int threads) { cap_.store(threads, std::memory_order_relaxed); }
+  // Runs fn(0..parts-1) (parts: what the caller planned from one size() read), part 0 on the
+  // calling thread; returns when all are done. Callers on different threads (MLX runs one
+  // stream thread per stream) take turns.
+  void run(const std::function<void(int)>& fn, int parts);
   // Runs fn(a, b) over [0, n) cut into size() parts (each a multiple of `align` long, so a
   // vector never straddles two), or once on this thread where n * cost < `alone` (decode
   // shapes: a pool wake costs more than it saves).
@@ -33,10 +42,12 @@ class Pool {
   std::mutex mu_;
   std::condition_variable wake_;
   const std::function<void(int)>* job_ = nullptr;
+  int parts_ = 0;
   std::atomic<unsigned> generation_{0};
   std::atomic<int> pending_{0};
   std::atomic<int> sleeping_{0};
   bool stop_ = false;
+  static inline std::atomic<int> cap_{0};
 };
 
 Pool& pool();
