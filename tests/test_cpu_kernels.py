@@ -46,6 +46,26 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n, seed):
 
 
 @needs_kernels
+def test_a_narrowed_pool_gives_the_same_bits_and_releases_its_cap():
+    ext = cpu.extension()
+    x, w = mx.random.normal((3, 4, 200)), mx.random.normal((700, 200))  # enough columns to split
+    q, kv = mx.random.normal((2, 3, 5, 64)), mx.random.normal((2, 1, 40, 64))
+    def run():
+        out = [ext.small_linear(x, w), cpu.attention(q, kv, kv, 0.125, "causal"), cpu.swiglu(w, w)]
+        mx.eval(out)
+        return out
+    threads, want = ext.threads(), run()
+    with cpu.narrowed():
+        assert ext.threads() == 1
+        got = run()
+    assert ext.threads() == threads
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    with pytest.raises(RuntimeError), cpu.narrowed():
+        raise RuntimeError("the cap goes even when the block fails")
+    assert ext.threads() == threads
+
+
+@needs_kernels
 def test_batched_strided_and_sliced_inputs():
     x = mx.random.normal((4, 3, 64))  # [batch, positions, K]: 12 rows
     w = mx.random.normal((96, 64))
