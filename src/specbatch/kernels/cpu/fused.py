@@ -71,9 +71,9 @@ def _rope(attn):
 
 def qkv_heads(attn, x: mx.array, positions: mx.array | None, norm=None) -> tuple | None:
     """(q, k, v) ``[B, H, L, D]`` of mlx-lm's llama ``Attention`` ``attn`` for ``x`` as one
-    ``qkv_rope`` op (k roped at ``positions``: int32 ``[1]`` / ``[B]`` first positions; None:
-    the layer's own per-node positions), ``norm`` (a swapped RMSNorm) applied to ``x`` first;
-    None where the op does not apply."""
+    ``qkv_rope`` op: q and k roped from ``positions`` (int32 ``[1]`` / ``[B]``: each row's first
+    position; a tree forward's per-node RoPE brings its own), ``norm`` (a swapped RMSNorm)
+    applied to ``x`` first; None where the op does not apply."""
     ext = _active()
     q_proj = attn["q_proj"]
     weights = _linears(q_proj, attn["k_proj"], attn["v_proj"])

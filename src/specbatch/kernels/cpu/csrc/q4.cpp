@@ -132,7 +132,7 @@ __attribute__((target("f16c"))) std::vector<float> widen_pairs(const uint16_t* s
 }
 }  // namespace
 
-int q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases) {
+int64_t q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases) {
   if (detect_isa() != Isa::avx512 || half.dtype() != mx::float16 || half.ndim() != 2 || q.dtype() != mx::uint32 ||
       scales.dtype() != mx::float16 || biases.dtype() != mx::float16)
     return 0;
@@ -146,7 +146,7 @@ int q4_register(const mx::array& half, const mx::array& q, const mx::array& scal
   Entry e{half, pack(reinterpret_cast<const uint8_t*>(q.data<uint32_t>()), N, K),
           widen_pairs(scales.data<uint16_t>(), biases.data<uint16_t>(), scales.size())};
   if (!rebuilds(half.data<uint16_t>(), N, K, Q4View{e.packed.data(), e.sb.data()})) return 0;
-  const int bytes = static_cast<int>(e.packed.size() * sizeof(uint16_t) + e.sb.size() * sizeof(float));
+  const int64_t bytes = static_cast<int64_t>(e.packed.size() * sizeof(uint16_t) + e.sb.size() * sizeof(float));
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().insert_or_assign(half.data<uint16_t>(), std::move(e));
   return bytes;

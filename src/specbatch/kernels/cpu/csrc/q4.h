@@ -31,7 +31,7 @@ constexpr int kQ4MaxRows = 3;
 // [N, K / 32]) where they rebuild it exactly, returning the bytes a decode row then reads; 0
 // (and nothing kept) where they do not, or where the CPU lacks AVX-512. The registry keeps its
 // own copy of the blocks and holds `half`, so the key's buffer stays put.
-int q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases);
+int64_t q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases);
 // The blocks registered for the float16 buffer at `data`, or a view with packed == nullptr.
 Q4View q4_lookup(const void* data);
 // Forget `half`'s registration (its module is gone), or every one (tests); how many are held.
