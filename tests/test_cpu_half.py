@@ -13,7 +13,7 @@ from specbatch.kernels import cpu
 from specbatch.kernels.cpu import half, wide
 from specbatch.kernels.cpu.modules import FastEmbedding, FastLinear
 
-from helpers import rerun_on_avx2, run_plain, run_scalar
+from helpers import assert_passes_on_avx2, run_plain, run_scalar
 
 needs_half = pytest.mark.skipif(not cpu.status().active or not half.supported(cpu.extension()),
                                 reason="CPU kernels inactive or no F16C")
@@ -133,7 +133,4 @@ def test_streams_are_the_float32_models_streams(pair, tiny_draft, params):
 
 @needs_half
 def test_the_avx2_path_passes_the_same_checks():
-    out = rerun_on_avx2(__file__)
-    if out is None:
-        pytest.skip("the AVX2 path is the one running here already")
-    assert out.returncode == 0, out.stdout[-3000:]
+    assert_passes_on_avx2(__file__)

@@ -126,12 +126,12 @@ def test_a_swapped_heads_step_is_two_fused_ops_with_the_separate_kernels_bits(ti
     args = (H[:, 4], runner.embed(x[:, 5]), mx.array([5, 5]), K[..., :5, :], V[..., :5, :],
             mx.ones((2, 5), dtype=mx.bool_), own_k, own_v)
     ran = []
-    for name in ("qkv_heads", "projected_block"):
+    for name in ("qkv_heads", "second_half"):
         original = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, f=original: ran.append(f(*a)) or ran[-1])
     one_op = swapped.step(*args)
     assert len(ran) == 2 and all(r is not None for r in ran)  # both fused ops applied
     monkeypatch.setattr(fused, "qkv_heads", lambda *a: None)
-    monkeypatch.setattr(fused, "projected_block", lambda *a: None)
+    monkeypatch.setattr(fused, "second_half", lambda *a: None)
     separate = swapped.step(*args)
     assert all(mx.array_equal(a, b).item() for a, b in zip(one_op, separate))

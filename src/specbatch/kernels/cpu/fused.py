@@ -103,18 +103,19 @@ def attention_call(self, x: mx.array, mask=None, cache=None, norm=None, project:
     return self["o_proj"](out) if project else out
 
 
-def projected_block(block, x: mx.array, heads: mx.array) -> mx.array | None:
-    """``block``'s second half (output projection, residual add, norm, MLP and its add) over
-    attention's merged heads ``[B, L, Hq * D]`` as one ``mlp_block`` op; None where it does
+def second_half(block, x: mx.array, r: mx.array, project: bool = True) -> mx.array | None:
+    """``block``'s second half (the residual add, the norm, the MLP and its add) as one
+    ``mlp_block`` op over ``r``: attention's merged heads ``[B, L, Hq * D]``, the output
+    projection inside the op, where ``project``, else its projected output; None where it does
     not apply."""
-    post, mlp, attn = block["post_attention_layernorm"], block["mlp"], block["self_attn"]
+    post, mlp = block["post_attention_layernorm"], block["mlp"]
     if not getattr(type(post), "_sb_norm", False) or not getattr(type(mlp), "_sb_mlp", False):
         return None
-    layers = (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"], attn["o_proj"])
+    layers = (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]) + ((block["self_attn"]["o_proj"],) if project else ())
     weights = _linears(*layers)
     if weights is None or any("bias" in m for m in layers):
         return None
-    return mlp_block(x, heads, post["weight"], post.eps, *weights)
+    return mlp_block(x, r, post["weight"], post.eps, *weights)
 
 
 def mlp_call(self, x: mx.array) -> mx.array | None:
@@ -146,19 +147,15 @@ def block_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
         # the input norm inside qkv_rope, the output projection inside mlp_block: two nodes fewer
         r = attention_call(attn, x, mask, cache, norm, project=False)
         if r is not None:
-            out = projected_block(self, x, r)
+            out = second_half(self, x, r)
             if out is not None:
                 return out
             r = attn["o_proj"](r)
     if r is None:
         r = attn(norm(x), mask, cache)
-    mlp = self["mlp"]
-    layers = (mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]) if getattr(type(mlp), "_sb_mlp", False) else ()
-    weights = _linears(*layers) if layers else None
-    if weights is not None and not any("bias" in m for m in layers):
-        out = mlp_block(x, r, post["weight"], post.eps, *weights)  # the add, norm and MLP as one op
-        if out is not None:
-            return out
+    out = second_half(self, x, r, project=False)
+    if out is not None:
+        return out
     fused = add_rms_norm(x, r, post["weight"], post.eps)
     if fused is None:
         h = x + r

@@ -108,7 +108,7 @@ class MTPHead(nn.Module):
         values = mx.concatenate([ctx_values, *own_values, v], axis=2)
         mask = mx.concatenate([ctx_mask, mx.ones((B, len(own_keys) + 1), dtype=mx.bool_)], axis=1)
         out = cpu_attention(q, keys, values, attn.scale, mask[:, None, None, :], merge_heads=True)  # [B, 1, Hq * d]
-        y = fused.projected_block(self.block, x, out)  # the block's second half as one op where it applies
+        y = fused.second_half(self.block, x, out)  # the block's second half as one op where it applies
         if y is None:
             x = x + attn.o_proj(out)
             y = x + self.block.mlp(self.block.post_attention_layernorm(x))
