@@ -12,6 +12,7 @@ import numpy as np
 
 BLOCK = 16  # tokens per block: a row wastes < BLOCK tokens; smaller means longer gather tables
 GROW = 16  # a pool grows by at least 1/GROW of itself: amortised copies, <= 6.25% slack
+ROW_SPARE = 2  # and by at least this many blocks a row: a copy per ~2 boundaries each row crosses, not per row
 COMPACT_SLACK = 0.10  # after rows leave, repack the pools once free blocks pass this share
 
 
@@ -45,7 +46,7 @@ class BlockTable:
         if short == 0:
             return
         if short > len(self.free):
-            grow = max(short - len(self.free), self.capacity // GROW, 1)
+            grow = max(short - len(self.free), self.capacity // GROW, len(self.rows) * ROW_SPARE)
             self.free += range(self.capacity, self.capacity + grow)
             self.capacity += grow
         self.free.sort(reverse=True)  # pop() hands out low ids first: rows stay contiguous
