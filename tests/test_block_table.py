@@ -42,7 +42,8 @@ def test_rows_keep_their_blocks_in_token_order_and_release_their_tails():
     table = BlockTable([[], []])
     table.ensure([40, 5])
     assert [len(r) for r in table.rows] == [3, 1]
+    assert table.rows == [[0, 1, 2], [3]]  # low ids first, each row's in token order
     slots = table.slots([38, 4], 3).tolist()  # row 0 tokens 38..40, row 1 tokens 4..6
-    assert slots[:2] == [table.rows[0][2] * BLOCK + 6, table.rows[0][2] * BLOCK + 7]
+    assert slots == [2 * BLOCK + 6, 2 * BLOCK + 7, 2 * BLOCK + 8, 3 * BLOCK + 4, 3 * BLOCK + 5, 3 * BLOCK + 6]
     table.release_tail([16, 5])
-    assert [len(r) for r in table.rows] == [1, 1] and len(table.free) >= 2
+    assert table.rows == [[0], [3]] and sorted(table.free) == [1, 2]

@@ -19,8 +19,8 @@ DEFAULT_K = 4
 DEFAULT_CAP = 2  # a separate drafter on a dense target, until calibration says otherwise
 DEFAULT_PREFILL_CHUNK = 128  # ~0.4 s a chunk on the embedded target here, until calibration says otherwise
 # the batch loop's KV: "paged" (16-token blocks read in place by the attention kernel:
-# allocation 1.03x of need against dense's 1.48-1.80x at widths 4-16, decode 0.97-1.01x
-# dense's tok/s at widths 2-16 with the prompt cache off, 1.13-1.33x with it on) or
+# allocation 1.03x of need against dense's 1.48-1.80x at widths 4-16, decode 0.95-1.01x
+# dense's tok/s at widths 1-16 with the prompt cache off, 1.13-1.33x with it on) or
 # "dense" (one buffer per layer, rows padded to the longest)
 KV_LAYOUTS = ("dense", "paged")
 DEFAULT_KV_LAYOUT = "paged"

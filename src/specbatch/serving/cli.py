@@ -32,7 +32,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="store the batch's target KV quantized per token (default: the model's dtype)")
     p.add_argument("--kv-layout", default=None, choices=["dense", "paged"],
                    help="the batch's KV: paged blocks (the default: allocation within 10%% of need, decode "
-                        "at dense speed) or dense buffers (rows padded to the longest); --kv-bits implies paged")
+                        "within ~5%% of dense) or dense buffers (rows padded to the longest); --kv-bits implies paged")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens per prefill forward; while requests decode, a longer prompt prefills one "
                         "chunk between two of their rounds (default: calibrated for the target, else 128)")
