@@ -1,11 +1,11 @@
 """Paged KV: each layer keeps its tokens in a pool of fixed-size blocks; rows own block lists.
 
-Dense ragged buffers pad every row to the longest one (``make bench`` measured 1.67-1.78x
+Dense ragged buffers pad every row to the longest one (``make bench`` measured 1.48-1.80x
 of what the tokens need at mixed lengths). Here row b holds ``ceil(len_b / BLOCK)`` blocks;
 one host-side ``BlockTable`` (shared by all layers, which hold the same lengths) maps rows
-to blocks, and each forward gathers the rows' blocks into the dense ``[B, H, T, D]`` view
-the model's attention takes. That view lives for one layer's attention, so what stays
-allocated is the pools alone.
+to blocks. The CPU kernels write and attend over the pools in place through the table's
+slots; elsewhere a forward gathers the rows' blocks into a dense ``[B, H, T, D]`` view for
+one layer's attention, so what stays allocated is the pools alone.
 
 Rollback trims a row's length and frees its whole trailing blocks. Under ``kv_bits`` each
 token is quantized on its own (groups along its ``H * D`` features, never across tokens),
