@@ -53,6 +53,11 @@ def register(ext, model: nn.Module, blocks: dict) -> int:
     return done
 
 
+def reads_blocks(module: nn.Module) -> bool:
+    """Decode rows read ``module``'s registered 4-bit blocks, not its weight."""
+    return getattr(module, "_sb_q4_bytes", 0) > 0
+
+
 def decode_bytes(module: nn.Module) -> int:
     """The bytes a decode row reads of ``module``'s weight: its blocks' where registered."""
-    return getattr(module, "_sb_q4_bytes", 0) or module["weight"].nbytes
+    return module._sb_q4_bytes if reads_blocks(module) else module["weight"].nbytes

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...kernels import cpu
-from ...kernels.cpu.q4 import decode_bytes
+from ...kernels.cpu.q4 import decode_bytes, reads_blocks
 from ...runtime.params import SamplingParams
 
 CONTEXT = 128
@@ -126,7 +126,7 @@ def suite_kernels(ctx) -> dict:
     return {"kernels": {"active": state.active, "isa": state.isa, "why": state.why},
             "weight_bytes": total, "weight_bytes_stored": sum(w.nbytes for w in _matrices(model)),
             "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
-            "q4_matrices": sum(1 for m in _modules(model) if decode_bytes(m) != m.weight.nbytes),
+            "q4_matrices": sum(1 for m in _modules(model) if reads_blocks(m)),
             "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "rows": rows}
 
 
