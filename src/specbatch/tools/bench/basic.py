@@ -14,7 +14,8 @@ from .harness import _median_rows, acceptance, code_prompts, engine_tok_s, mlx_l
 
 def suite_plain(ctx) -> dict:
     """Plain decode tokens/s at each width: our batch loop (dense and paged KV) vs mlx-lm's
-    BatchGenerator."""
+    BatchGenerator. ``specbatch_tok_s`` and ``ratio`` are the dense layout's (the key earlier
+    results use); the default layout, paged, is ``paged_tok_s`` (``paged_vs_dense`` of it)."""
     engine = ctx.engine(speculation=False, kv_layout="dense")
     paged = ctx.engine(speculation=False, kv_layout="paged")
     prompts = code_prompts(ctx.target.tokenizer, max(ctx.widths))
