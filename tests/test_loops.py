@@ -11,6 +11,7 @@ from specbatch.runtime.policy import PLAIN, Decision
 from specbatch.kernels.drafters.model import ModelDrafter
 from specbatch.kernels.loops.batch import BatchLoop
 from specbatch.kernels.loops.scalar import ScalarLoop
+from specbatch.kernels.paged_kv import KVLayout
 from specbatch.kernels.runner import ModelRunner
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    pass\n" * 2, "x = 1", "# c\n" * 6, "return", "while 1:", "y"]
@@ -49,6 +50,43 @@ def test_self_draft_oracle_accepts_everything(tiny):
     _, brounds = run_batch(tiny, tiny, PROMPTS[:4], k=4, params=[dict(max_tokens=30, ignore_eos=True)] * 4)
     acc = sum(sum(r.accepted) for r in brounds) / sum(r.drafted * len(r.accepted) for r in brounds)
     assert acc >= 0.98
+
+
+def every_third(i: int) -> Decision:
+    """A draft round, then two plain ones (what a policy at the break-even may decide)."""
+    return PLAIN if i % 3 else Decision(3)
+
+
+@pytest.mark.parametrize("kv_layout", ["paged", "dense"])
+def test_the_oracle_keeps_accepting_after_the_plain_rounds_an_armed_batch_decides(tiny, kv_layout):
+    runner = ModelRunner(tiny.model)
+    loop = BatchLoop(runner, ModelDrafter(tiny.model), "coupled", KVLayout(kv_layout))
+    requests = [make_request(tiny, p, max_tokens=30, ignore_eos=True) for p in PROMPTS[:3]]
+    for r in requests:
+        loop.admit(r)
+    loop.capture_round()
+    rounds, i = [], 0
+    while loop.width:
+        out = loop.spec_round(every_third(i))
+        rounds += [out.verify] if out.verify else []
+        loop.reap()
+        i += 1
+    assert [r.tokens for r in requests] == [run_plain(tiny, p, max_tokens=30, ignore_eos=True) for p in PROMPTS[:3]]
+    # the drafter took each plain round's token in: it drafts the target's own continuation
+    assert len(rounds) >= 3 and sum(sum(r.accepted) for r in rounds) / sum(r.drafted * len(r.accepted) for r in rounds) >= 0.98
+
+
+def test_the_oracle_keeps_accepting_after_plain_rounds_in_the_scalar_loop(tiny):
+    request = make_request(tiny, "def f(x):", max_tokens=40, ignore_eos=True)
+    scalar = ScalarLoop(ModelRunner(tiny.model), ModelDrafter(tiny.model, batch=False), request)
+    scalar.start()
+    rounds, i = [], 0
+    while not request.finished:
+        i += 0 if scalar.buffered else 1  # a decision reaches only the steps that run a round
+        out = scalar.step(every_third(i))
+        rounds += [out.verify] if out.verify else []
+    assert request.tokens == run_plain(tiny, "def f(x):", max_tokens=40, ignore_eos=True)
+    assert len(rounds) >= 3 and sum(r.accepted[0] for r in rounds) / sum(r.drafted for r in rounds) >= 0.98
 
 
 def test_random_drafter_accepts_almost_nothing(tiny, tiny_draft):

@@ -135,3 +135,21 @@ def test_a_swapped_heads_step_is_two_fused_ops_with_the_separate_kernels_bits(ti
     monkeypatch.setattr(fused, "second_half", lambda *a: None)
     separate = swapped.step(*args)
     assert all(mx.array_equal(a, b).item() for a, b in zip(one_op, separate))
+
+
+def test_after_a_plain_round_an_armed_head_drafts_from_the_state_that_predicted_the_pending_token(tiny, head):
+    from specbatch.kernels.loops.verify import last_hidden
+    from specbatch.runtime.policy import PLAIN
+    runner = ModelRunner(tiny.model)
+    batch = BatchLoop(runner, MTPDrafter(head, runner))
+    for p in PROMPTS[:3]:
+        batch.admit(make_request(tiny, p, max_tokens=20, ignore_eos=True))
+    batch.capture_round()
+    batch.spec_round(Decision(2))
+    batch.spec_round(PLAIN)  # a plain round the policy decided while armed
+    assert mx.array_equal(batch.drafter.hidden, head.first_input(last_hidden(runner)))
+    request = make_request(tiny, PROMPTS[0], max_tokens=20, ignore_eos=True)
+    scalar = ScalarLoop(runner, MTPDrafter(head, runner), request)
+    scalar.start()
+    scalar.step(PLAIN)
+    assert mx.array_equal(scalar.drafter.hidden, head.first_input(last_hidden(runner)))

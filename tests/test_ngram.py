@@ -62,3 +62,13 @@ def test_engine_with_ngram_drafter(tiny):
         out = [h.result(timeout=120).token_ids for h in handles]
         assert engine.stats()["drafted_tokens"] > 0
     assert out == [run_plain(tiny, p, max_tokens=24, ignore_eos=True, seed=0) for p in PROMPTS]
+
+
+def test_a_plain_round_feeds_each_row_the_token_the_next_draft_moved_past():
+    import mlx.core as mx
+    drafter = NGramDrafter(NGramSource(64))
+    drafter.add_rows([[1, 2, 3, 4], [7, 8, 9]])
+    drafter.advance([3, 8])  # plain round: prev 3 -> 4 (pending 5), prev 8 -> 9 (pending 6)
+    assert drafter._fed == [[1, 2, 3], [7, 8]]
+    drafter.draft(mx.array([4, 9]), mx.array([5, 6]), 1, None)
+    assert drafter._fed == [[1, 2, 3, 4, 5], [7, 8, 9, 6]]  # the invariant: the sequence but its last two

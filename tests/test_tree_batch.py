@@ -112,6 +112,10 @@ class OracleTrees:
         for fed, c in zip(self.fed, counts):
             del fed[len(fed) - c:]
 
+    def advance(self, tokens, hidden=None):
+        for fed, token in zip(self.fed, tokens):
+            fed.append(token)
+
     def add_rows(self, histories, hidden=None):
         self.fed += [list(h[:-2]) for h in histories]
 

@@ -60,6 +60,13 @@ class Drafter(Protocol):
         the target state that predicted each row's new pending token (head drafters)."""
         ...
 
+    def advance(self, tokens: list[int], hidden: mx.array | None = None) -> None:
+        """A plain round went by (one token a row, nothing drafted): ``tokens`` are each row's
+        ``prev`` before it, which the next draft's feed (the new ``prev``, ``pending``) has
+        moved past; ``hidden`` ``[B, D]``: the target state that predicted each row's new
+        pending token (head drafters)."""
+        ...
+
     def add_rows(self, histories: list[list[int]], hidden: mx.array | None = None) -> None:
         """Append rows, prefilled with each history except its last two tokens."""
         ...

@@ -27,6 +27,7 @@ class ModelDrafter:
         self.batch = batch
         self._single: list[KVCache] | None = None
         self.kv = batch_kv(self.n_layers)
+        self._behind: list[list[int]] = []  # per plain round (``advance``): each row's token not yet fed
 
     @property
     def width(self) -> int:
@@ -48,7 +49,7 @@ class ModelDrafter:
         return cache
 
     def draft(self, prev: mx.array, pending: mx.array, k: int, choose: Chooser, context=None):
-        feed = mx.stack([prev, pending], axis=1)  # [B, 2]
+        feed = self._feed(prev, pending)  # [B, n + 2]
         tokens, logits = [], []
         for j in range(k):
             step = self.model(feed, cache=self.cache)[:, -1, :]  # [B, V]
@@ -64,8 +65,8 @@ class ModelDrafter:
         forward (each sees the history and its own ancestors) and each takes its top
         ``b_d`` tokens as children. Single-sequence cache only (the scalar loop's)."""
         cache, layout = self._single, shape.layout()
-        self._root = cache[0].offset + 1  # pending's column (and RoPE position)
-        logits = self.model(mx.stack([prev, pending], axis=1), cache=cache)[:, -1, :]  # [1, V]
+        self._root = cache[0].offset + len(self._behind) + 1  # pending's column (and RoPE position)
+        logits = self.model(self._feed(prev, pending), cache=cache)[:, -1, :]  # [1, V]
         seen = mx.array(layout.ancestry())[1:, 1:]  # [N-1, N-1] among non-root nodes
         levels, first = [choose(logits, 1, shape.branching[0]).reshape(-1)], 1
         for d, b in enumerate(shape.branching[1:], 2):
@@ -92,7 +93,23 @@ class ModelDrafter:
             return
         compact(self._single, self._root, path[:-1])
 
+    def _feed(self, prev: mx.array, pending: mx.array) -> mx.array:
+        """``[B, n + 2]``: the tokens plain rounds went past, then ``prev`` and ``pending``."""
+        behind, self._behind = [mx.array(t, dtype=mx.int32) for t in self._behind], []
+        return mx.stack([*behind, prev, pending], axis=1)
+
+    def _catch_up(self) -> None:
+        """Feed what plain rounds went past (lazily) before the rows change."""
+        if self._behind:
+            feed, self._behind = mx.array(self._behind, dtype=mx.int32).T, []  # [B, n]
+            self.model(feed, cache=self.cache)
+
+    def advance(self, tokens: list[int], hidden=None) -> None:
+        """Fed with the next draft (one forward reads the weights once for all of them)."""
+        self._behind.append(list(tokens))
+
     def rollback(self, counts: list[int], hidden=None) -> None:
+        self._catch_up()
         if self.batch:
             self.kv.trim_rows(counts)
         else:
@@ -100,6 +117,7 @@ class ModelDrafter:
                 c.trim(counts[0])
 
     def add_rows(self, histories: list[list[int]], hidden=None) -> None:
+        self._catch_up()
         for history in histories:
             single = self._prefill(history[:-2])
             if self.batch:
@@ -109,13 +127,14 @@ class ModelDrafter:
                 self._single = single
 
     def filter(self, keep: list[int]) -> None:
+        self._catch_up()
         if self.batch:
             self.kv.filter(keep)
         elif not keep:
             self._single = None
 
     def reset(self) -> None:
-        self._single = None
+        self._single, self._behind = None, []
         self.kv = batch_kv(self.n_layers)
 
     def cold_start(self, capture: Capture) -> None:

@@ -265,6 +265,10 @@ class MTPDrafter:
         if hidden is not None:
             self.hidden = self.head.first_input(hidden)
 
+    def advance(self, tokens: list[int], hidden: mx.array | None = None) -> None:
+        """The head reads the target's own KV: only its input state moves on."""
+        self.rollback([0] * len(tokens), hidden)
+
     def add_rows(self, histories: list[list[int]], hidden: mx.array | None = None) -> None:
         if hidden is None:
             raise ValueError("the MTP drafter needs the target's hidden state for new rows")

@@ -134,6 +134,10 @@ class NGramDrafter:
         for fed, c in zip(self._fed, counts):
             del fed[len(fed) - c:]
 
+    def advance(self, tokens: list[int], hidden=None) -> None:
+        for fed, token in zip(self._fed, tokens):
+            fed.append(token)
+
     def add_rows(self, histories: list[list[int]], hidden=None) -> None:
         self._fed += [list(h[:-2]) for h in histories]
 

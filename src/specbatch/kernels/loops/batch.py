@@ -148,8 +148,11 @@ class BatchLoop:
         back per row (plain where it drafts nothing)."""
         assert self.settled and self.armed
         decision = decision.within(max(r.request.remaining for r in self.rows) - 1)
-        if decision.plain:
-            return self.plain_round(successor=False)
+        if decision.plain:  # the drafter follows the rows past this round's token
+            passed = [r.prev for r in self.rows]
+            out = self.plain_round(successor=False)
+            self.drafter.advance(passed, hidden=last_hidden(self.target))
+            return out
         result = speculate(self.target, self.kv, self.drafter, [r.pending for r in self.rows],
                            [r.prev for r in self.rows], self._rows_sampling(), [r.request.emitted for r in self.rows],
                            decision, self.verify, coupled=False)

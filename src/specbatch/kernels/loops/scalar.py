@@ -18,11 +18,11 @@ from ...runtime.output import RoundOutput
 from ...runtime.policy import PLAIN, Decision
 from ...runtime.request import Request
 from ..logprobs import sample_read
-from ..runner import TargetRunner, draft_states
+from ..runner import TargetRunner
 from ..sampling import RowSampling, positions_from
 from ..single_kv import SingleKV
 from .round import advance, first_token, speculate
-from .verify import RoundResult
+from .verify import RoundResult, last_hidden
 
 
 @attrs.frozen
@@ -112,11 +112,10 @@ class ScalarLoop:
     def _plain(self) -> None:
         logits = self.target.forward(mx.array([[self.pending]], dtype=mx.int32), self.cache)
         [[token]], [lps] = sample_read(logits, self._rows, positions_from([self.request.emitted], 1))
-        self.prev, self.pending = self.pending, token
+        passed, self.prev, self.pending = self.prev, self.pending, token
         self._buffer.append((token, lps and lps[0]))
-        if self.drafter is not None:  # a head drafter drafts from the state that predicted the pending token
-            hidden = draft_states(self.target)
-            self.drafter.rollback([0], hidden=None if hidden is None else hidden[:, -1])
+        if self.drafter is not None:  # the drafter follows (a head one from the state that predicted the pending token)
+            self.drafter.advance([passed], hidden=last_hidden(self.target))
 
     def close(self) -> Handoff:
         """Stop here (usually mid-round) and hand everything to the batch loop."""

@@ -38,6 +38,9 @@ class RelayDrafter:
     def rollback(self, counts, hidden=None) -> None:
         self.inner.rollback(counts, hidden=hidden)
 
+    def advance(self, tokens, hidden=None) -> None:
+        self.inner.advance(tokens, hidden=hidden)
+
     def add_rows(self, histories, hidden=None) -> None:
         self.inner.add_rows(histories, hidden=hidden)
 
@@ -79,6 +82,9 @@ class EchoDrafter:
         return tokens, logits
 
     def rollback(self, counts, hidden=None) -> None:
+        pass
+
+    def advance(self, tokens, hidden=None) -> None:
         pass
 
     def add_rows(self, histories, hidden=None) -> None:
