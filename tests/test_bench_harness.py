@@ -80,3 +80,17 @@ def test_mlx_lm_baselines_run_a_float32_copy_of_a_half_stored_target(tmp_path, t
     assert kernels.weight_bytes(baseline) == 2 * kernels.weight_bytes(target.model)  # what each reads a step
     tokens = mx.array([[3, 1, 4, 1, 5]])
     assert mx.array_equal(baseline(tokens), target.model(tokens)).item()  # the same values either way
+
+
+def test_a_core_run_counts_decoding_alone_from_the_step_every_row_has_its_first_token(tiny):
+    from specbatch.kernels.build import new_core
+    from specbatch.runtime.config import EngineConfig
+    from specbatch.tools.bench.harness import code_prompts, core_tok_s
+    prompts = code_prompts(tiny.tokenizer, 3)
+    with new_core(tiny, None, EngineConfig(speculation=False)) as core:
+        run = core_tok_s(core, prompts, 6)
+        assert not core.has_work()
+    # added before one step, the three rows are admitted together: each one's first token is
+    # out in that step, and the five after it are what decoding alone counts
+    assert run.tokens == 3 * 6 and run.decode_tokens == 3 * 5
+    assert 0 < run.decode_seconds < run.seconds and run.tok_s > 0 and run.decode_tok_s > 0

@@ -48,7 +48,7 @@ def test_cells_come_from_the_calibration_table():
 
 
 TABLE = CostModel(forward_table=[(1, 0.030), (2, 0.031), (4, 0.033), (8, 0.040), (16, 0.070)], row_s=0.001,
-                  draft_fixed_s=0.002, draft_row_s=0.0003, verify_s=0.0015, round_s=0.0005)
+                  draft_fixed_s=0.002, draft_row_s=0.0003, verify_s=0.0015, round_s=0.0005, round_row_s=0.0002)
 
 
 def test_the_table_prices_a_forward_between_below_and_past_its_points():
@@ -57,8 +57,8 @@ def test_the_table_prices_a_forward_between_below_and_past_its_points():
     assert TABLE.forward_s(4, 1) == pytest.approx(0.033 + 3 * 0.001)  # each row past the first adds row_s
     assert TABLE.forward_s(1, 32) == pytest.approx(0.070 + 16 * (0.030 / 8))  # the last slope
     assert CostModel(forward_table=[(4, 0.04)]).forward_s(1, 2) == pytest.approx(0.04)  # never below the first
-    assert TABLE.chain_s(2, 3) == pytest.approx(3 * (0.002 + 0.0006) + 0.040 + 0.001 + 0.0005 + 0.0015)
-    assert TABLE.plain_s(2) == pytest.approx(0.031 + 0.001 + 0.0005)
+    assert TABLE.chain_s(2, 3) == pytest.approx(3 * (0.002 + 0.0006) + 0.040 + 0.001 + 0.0005 + 0.0004 + 0.0015)
+    assert TABLE.plain_s(2) == pytest.approx(0.031 + 0.001 + 0.0005 + 0.0004)
 
 
 def test_with_measured_forwards_the_fit_recovers_what_rounds_spend_beyond_them():
@@ -69,7 +69,7 @@ def test_with_measured_forwards_the_fit_recovers_what_rounds_spend_beyond_them()
     forwards = CostModel(forward_table=TABLE.forward_table, row_s=TABLE.row_s)
     got = fit_cost(cells, forwards)
     assert got.forward_table == TABLE.forward_table and got.row_s == TABLE.row_s
-    for field in ("draft_fixed_s", "draft_row_s", "verify_s", "round_s"):
+    for field in ("draft_fixed_s", "draft_row_s", "verify_s", "round_s", "round_row_s"):
         assert getattr(got, field) == pytest.approx(getattr(TABLE, field), rel=1e-6, abs=1e-9)
 
 

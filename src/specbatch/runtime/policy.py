@@ -171,7 +171,7 @@ class SpecPolicy:
             return width / cost.plain_s(width)
         if decision.tree is not None:
             tokens = sum(tree_tokens(r, decision.tree) for r in rows)
-            return tokens / (tree_seconds(cost, width, decision.tree) + cost.round_s + cost.verify_s)
+            return tokens / (tree_seconds(cost, width, decision.tree) + cost.overhead_s(width) + cost.verify_s)
         k = decision.k
         return sum(chain_tokens(r, k) for r in rows) / cost.chain_s(width, k)
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import statistics
 
+import attrs
+
 from ..kernels.calibration import acceptance_by_position, derive_prior, lookup, machine_key, pair_key, store, store_fields
 from ..runtime.schedule import Band, DraftSchedule
-from .bench.harness import Context, acceptance, code_prompts, engine_tok_s
-from .calibrate_cost import cells_from, fit_cost, measure_forwards
+from .bench.harness import Context, acceptance, code_prompts, core_tok_s
+from .calibrate_cost import cells_from, fit_cost, measure_forwards, timed_rounds
 from .calibrate_prefill import calibrate_prefill
 from .calibrate_tree import measure_trees, with_tree_depth
 
@@ -37,44 +39,55 @@ def cell_batches(prompts: list, width: int, repeat: int) -> list[list]:
 
 def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
     """For each temperature and width: tokens/s plain and at each draft length (side by
-    side, medians of ``args.repeats``, each over ``cell_batches``); the schedule takes each cell's best k. Widths past
-    two losing widths in a row are not measured (they take the last measured k, 0)."""
+    side, medians of ``args.repeats``, each over ``cell_batches``); the schedule takes each
+    cell's best k, end to end. Widths past two losing widths in a row are not measured (they
+    take the last measured k, 0). The table's ``decode`` holds each cell's rate decoding
+    alone (prefill and admission left out), which the cost model is fitted to."""
     widths = [int(w) for w in args.widths.split(",")]
     ks = [int(k) for k in args.draft_lengths.split(",")]
-    plain = ctx.engine(speculation=False)
-    spec = {k: ctx.engine(speculative_width_cap=0, num_draft_tokens=k, fixed_draft=True, max_spec_temperature=None)
-            for k in ks}
-    bands, table, cell_acceptance = [], {}, {}
+    cores = {0: ctx.core(speculation=False)}
+    cores.update({k: ctx.core(speculative_width_cap=0, num_draft_tokens=k, fixed_draft=True, max_spec_temperature=None)
+                  for k in ks})
+    bands, table, decode, cell_acceptance = [], {}, {}, {}
     for t in TEMPERATURES:
         row, losing = [], 0
         for width in widths:
             if losing >= 2:
                 break
-            speeds, accepted = {}, {}
-            for r in range(args.repeats):  # round-robin: the systems share each moment's noise
-                for k, engine in [(0, plain), *spec.items()]:
-                    before = engine.stats()
-                    # every batch decodes width x tokens: the harmonic mean is the cell's tokens over its time
-                    rates = [engine_tok_s(engine, batch, args.tokens, temperature=t)
-                             for batch in cell_batches(prompts, width, r)]
-                    speeds.setdefault(k, []).append(statistics.harmonic_mean(rates))
-                    accepted.setdefault(k, []).append(acceptance(before, engine.stats()) if k else 0.0)
-            speeds = {k: statistics.median(v) for k, v in speeds.items()}
+            key = f"T={t} width={width}"
+            speeds, alone, accepted = measure_cell(cores, prompts, width, t, args)
             row.append(best_k(speeds, args.margin))
             losing = losing + 1 if row[-1] == 0 else 0
-            table[f"T={t} width={width}"] = {str(k): round(v, 2) for k, v in speeds.items()}
-            cell_acceptance[f"T={t} width={width}"] = {str(k): round(statistics.median(v), 4)
-                                                       for k, v in accepted.items() if k}
+            table[key] = {str(k): round(v, 2) for k, v in speeds.items()}
+            decode[key] = {str(k): round(v, 2) for k, v in alone.items()}
+            cell_acceptance[key] = {str(k): round(v, 4) for k, v in accepted.items() if k}
             print(f"T={t:.2f} width {width:3d}: " + ", ".join(f"k={k} {v:.1f}" for k, v in speeds.items())
-                  + f" tok/s -> k={row[-1]}", flush=True)
+                  + " tok/s (decoding alone " + ", ".join(f"{v:.1f}" for v in alone.values())
+                  + f") -> k={row[-1]}", flush=True)
         row += [0] * (len(widths) - len(row))
         if bands:  # acceptance only falls with temperature: a hotter band never drafts more
             row = [min(k, colder) for k, colder in zip(row, bands[-1].k)]
         bands.append(Band(t, row))
-    deepest = spec[max(ks)].stats().get("acceptance_histogram") or {}
+    deepest = cores[max(ks)].stats().get("acceptance_histogram") or {}
     table["acceptance"] = acceptance_by_position(deepest, max(ks))
     table["cell_acceptance"] = cell_acceptance
+    table["decode"] = decode
     return DraftSchedule(widths, bands), table
+
+
+def measure_cell(cores: dict, prompts, width: int, temperature: float, args) -> tuple[dict, dict, dict]:
+    """One cell, every core in turn within each repeat (they share each moment's noise):
+    medians by k of tokens/s end to end, decoding alone, and acceptance."""
+    speeds, alone, accepted = {}, {}, {}
+    for r in range(args.repeats):
+        for k, core in cores.items():
+            before = core.stats()
+            runs = [core_tok_s(core, batch, args.tokens, temperature) for batch in cell_batches(prompts, width, r)]
+            # every batch decodes width x tokens: the harmonic mean is the cell's tokens over its time
+            speeds.setdefault(k, []).append(statistics.harmonic_mean([run.tok_s for run in runs]))
+            alone.setdefault(k, []).append(statistics.harmonic_mean([run.decode_tok_s for run in runs]))
+            accepted.setdefault(k, []).append(acceptance(before, core.stats()) if k else 0.0)
+    return tuple({k: statistics.median(v) for k, v in d.items()} for d in (speeds, alone, accepted))
 
 
 def run_calibrate(args) -> int:
@@ -115,18 +128,28 @@ def run_calibrate(args) -> int:
         path = store_fields(target.name, drafter.name, {"schedule": schedule.to_json(), "cap": schedule.cap(),
                                                         "k": max(1, schedule.max_k()), **extra})
     else:
-        by_position, by_cell = table.pop("acceptance"), table.pop("cell_acceptance")
-        prior = derive_prior({"measured_tok_s": table}, lookup(target.name, None, "", dict) or {})
-        forwards = measure_forwards(target.model)  # the forwards priced as timed, the rest fitted
-        cost = fit_cost(cells_from(table, by_cell), forwards) or prior.cost
-        extra.update(cost=cost.to_json(), acceptance=by_position or list(prior.acceptance), cell_acceptance=by_cell)
-        print(f"cost model: {cost.to_json()}")
+        extra.update(policy_fields(target, table))
         path = store(target.name, drafter.name, schedule, table, extra)
     print(f"schedule {schedule.to_json()} (chains: {chains.to_json()}), cap = {schedule.cap()}; written to {path} "
           f"for {machine_key()} / {pair_key(target.name, drafter.name)}")
     if schedule.max_k() == 0:
         print("speculation does not pay for this pair here: it will decode plain")
     return 0
+
+
+def policy_fields(target, table: dict) -> dict:
+    """The policy's prior from ``measure_schedule``'s table (which keeps its tokens/s end to
+    end): the cost model (forwards as timed, rounds decoding alone as timed, the rest
+    fitted) and the acceptance by position."""
+    by_position, by_cell, decode = table.pop("acceptance"), table.pop("cell_acceptance"), table.pop("decode")
+    prior = derive_prior({"measured_tok_s": table}, lookup(target.name, None, "", dict) or {})
+    forwards = measure_forwards(target.model)
+    cells = cells_from(decode, by_cell)
+    cost = fit_cost(cells, forwards) or prior.cost
+    cost = attrs.evolve(cost, rounds=timed_rounds(cells))  # what was timed prices itself
+    print(f"cost model: {cost.to_json()}")
+    return {"cost": cost.to_json(), "acceptance": by_position or list(prior.acceptance), "cell_acceptance": by_cell,
+            "decode_tok_s": decode}
 
 
 def calibrate_trees(target, drafter, config, schedule: DraftSchedule, args) -> tuple[DraftSchedule, dict]:

@@ -13,7 +13,10 @@ and the rest refitted). Errors are weighed relative to each round's seconds.
 
 Where the target's forwards were timed directly (``measure_forwards``: one row over 1-48
 positions, 2-16 rows of one), their table prices the forward, and the same fit gives what
-the rounds spend beyond it: the drafter's steps, ``round_s`` and ``verify_s``.
+the rounds spend beyond it: the drafter's steps, ``verify_s``, ``round_s`` and ``round_row_s``
+a row. Fit those to rounds decoding alone (``calibrate``'s ``decode`` rates): a cell timed
+end to end spreads its rows' prefills over its rounds, which reads as a cost a row that
+plain rounds pay more often than speculative ones.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def _terms(cell: Cell) -> list[float]:
 
 def _overhead_terms(cell: Cell) -> list[float]:
     w, k = cell.width, cell.k
-    return [float(k), float(k * w), float(k > 0), 1.0]  # draft_fixed, draft_row, verify_s, round_s
+    return [float(k), float(k * w), float(k > 0), 1.0, float(w)]  # draft_fixed, draft_row, verify_s, round_s, round_row_s
 
 
 def fit_cost(cells: list[Cell], forwards: CostModel | None = None) -> CostModel | None:
@@ -58,7 +61,7 @@ def fit_cost(cells: list[Cell], forwards: CostModel | None = None) -> CostModel 
         spent = np.array([c.round_s - forwards.forward_s(c.width, c.k + 1) for c in cells])
         costs = _nonnegative_fit(rows, spent, np.array([c.round_s for c in cells]))
         return attrs.evolve(forwards, draft_fixed_s=costs[0], draft_row_s=costs[1], verify_s=costs[2],
-                            round_s=costs[3])
+                            round_s=costs[3], round_row_s=costs[4])
     target = np.array([c.round_s for c in cells])  # [cells]
     return CostModel(*_nonnegative_fit(np.array([_terms(c) for c in cells]), target, target))
 
@@ -76,6 +79,15 @@ def _nonnegative_fit(rows: np.ndarray, target: np.ndarray, scale: np.ndarray) ->
     costs = np.zeros(rows.shape[1])
     costs[free] = np.maximum(solution, 0.0)
     return [float(c) for c in costs]
+
+
+def timed_rounds(cells: list[Cell]) -> list[tuple[int, int, float]]:
+    """(width, k, seconds) of each timed round shape: the median over the cells (the
+    temperature bands) that timed it; a round's seconds hardly depend on temperature."""
+    by_shape: dict[tuple[int, int], list[float]] = {}
+    for c in cells:
+        by_shape.setdefault((c.width, c.k), []).append(c.round_s)
+    return [(w, k, float(np.median(s))) for (w, k), s in sorted(by_shape.items())]
 
 
 TABLE_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48)

@@ -14,7 +14,9 @@ import statistics
 import time
 from pathlib import Path
 
-from ...kernels.build import new_engine
+import attrs
+
+from ...kernels.build import new_core, new_engine
 from ...runtime.engine import Engine
 from ...runtime.params import SamplingParams
 from .. import workload
@@ -90,6 +92,46 @@ def engine_tok_s(engine, prompts, tokens: int, temperature: float = 0.0, stagger
     return total / (time.perf_counter() - t0)
 
 
+@attrs.frozen
+class CoreRun:
+    """One batch decoded on a steppable core: its tokens over its time end to end (from
+    ``add``, prefill included), and decoding alone (the tokens after every row has its first
+    one, over the time after that: what the rounds cost, which calibrate prices)."""
+
+    tokens: int
+    seconds: float
+    decode_tokens: int
+    decode_seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_tokens else 0.0
+
+
+def core_tok_s(core, prompts, tokens: int, temperature: float = 0.0) -> CoreRun:
+    """``prompts`` added to ``core`` before one step (admitted together, unlike an engine's
+    racing submissions) and stepped to the end, each decoding ``tokens``."""
+    t_add = time.perf_counter()
+    ids = {core.add(p, SamplingParams(max_tokens=tokens, ignore_eos=True, seed=i, temperature=temperature))
+           for i, p in enumerate(prompts)}
+    started, total, after, t_all = set(), 0, 0, None
+    while core.has_work():
+        events = core.step()
+        got = sum(len(e.token_ids) for e in events)
+        total += got
+        if t_all is not None:
+            after += got
+        else:
+            started |= {e.request_id for e in events if e.token_ids}
+            t_all = time.perf_counter() if started >= ids else None
+    end = time.perf_counter()
+    return CoreRun(total, end - t_add, after, end - (t_all or end))
+
+
 def mlx_lm_batch_tok_s(model, prompts, tokens: int) -> float:
     """mlx-lm's own ``BatchGenerator`` on the same prompts (greedy, no EOS stop), on MLX's
     own ops (our CPU kernels off for it)."""
@@ -145,7 +187,7 @@ class Context:
         self.rates = {"low": 0.5, "medium": 1.5, "saturating": 6.0}  # requests per second
         self.request_timeout = 120.0  # seconds a serving request may take before it is cut
         self.long_prompt_tokens, self.long_arrivals = 2000, 2  # long_prompts: prompts arriving while streams decode
-        self._engines = []
+        self._engines, self._cores = [], []
 
     @functools.cached_property
     def mlx_lm_model(self):
@@ -159,7 +201,6 @@ class Context:
             return load(self.target.name).model
 
     def engine(self, **overrides) -> Engine:
-        import attrs
         fields = {"prompt_cache_bytes": 0, **overrides}
         config = attrs.evolve(self.config, **fields)
         drafter = self.drafter if config.speculation else None
@@ -167,6 +208,14 @@ class Context:
         engine_tok_s(engine, code_prompts(self.target.tokenizer, 2), 8)  # warm up
         self._engines.append(engine)
         return engine
+
+    def core(self, **overrides):
+        """A steppable core (``core_tok_s``) with ``overrides`` over the context's config."""
+        config = attrs.evolve(self.config, **{"prompt_cache_bytes": 0, **overrides})
+        core = new_core(self.target, self.drafter if config.speculation else None, config)
+        core_tok_s(core, code_prompts(self.target.tokenizer, 2), 8)  # warm up
+        self._cores.append(core)
+        return core
 
     def always(self, **more) -> dict:
         """Overrides for an engine that speculates with chains of ``k`` whatever the
@@ -177,4 +226,6 @@ class Context:
     def close(self) -> None:
         for engine in self._engines:
             engine.close()
+        for core in self._cores:
+            core.close()
 
