@@ -183,6 +183,14 @@ def test_a_calibration_is_kept_per_kernel_isa():
 TIMED = CostModel(rounds=[(1, 0, 0.010), (1, 1, 0.0115), (4, 0, 0.012), (4, 1, 0.016)])
 
 
+@pytest.mark.parametrize("a, after_plain, after_draft", [(0.10, PLAIN, PLAIN), (0.15, PLAIN, Decision(1)),
+                                                         (0.20, Decision(1), Decision(1))])
+def test_the_mode_the_last_round_ran_is_kept_unless_the_other_wins_by_the_margin(a, after_plain, after_draft):
+    p, rows = SpecPolicy(prior=Prior(TIMED), max_k=1), [RowState((a,))]
+    assert p.decide(rows) == p.decide(rows, PLAIN) == after_plain
+    assert p.decide(rows, Decision(1)) == after_draft
+
+
 def test_timed_rounds_price_themselves_and_the_model_fills_between_and_past_them():
     assert TIMED.plain_s(1) == 0.010 and TIMED.chain_s(4, 1) == 0.016
     assert TIMED.plain_s(2) == pytest.approx(0.010 + 0.002 / 3)  # linear between timed widths

@@ -119,7 +119,7 @@ class Moves:
     def _decide(self, requests):
         self.book.keep(requests)  # the policy decides the round from the live rows' acceptance
         rows = self.book.rows(requests)
-        decision = self.policy.decide(rows)
+        decision = self.policy.decide(rows, self.decided or PLAIN)
         if decision != self.decided:  # logged when it changes, with what it weighed
             self.decided = decision
             log.debug("decide", width=len(rows), k=decision.k, tree=str(decision.tree) if decision.tree else None,
