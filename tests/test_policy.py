@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from specbatch.kernels.calibration import SHIPPED, acceptance_by_position, derive_prior
 from specbatch.runtime.params import SamplingParams
-from specbatch.runtime.policy import PLAIN, AcceptanceBook, CostModel, Decision, Prior, RowState, SpecPolicy
+from specbatch.runtime.policy import PLAIN, AcceptanceBook, CostModel, Decision, Prior, RowState, SpecPolicy, to_prior
 from specbatch.runtime.tree_shape import BatchTree, TreeShape
 
 rates = st.floats(0.0, 1.0)
@@ -200,3 +200,27 @@ def test_timed_rounds_price_themselves_and_the_model_fills_between_and_past_them
     # a k never timed: the model scaled from the nearest timed k at that width
     assert TIMED.chain_s(4, 3) == pytest.approx(0.016 * model.chain_s(4, 3) / model.chain_s(4, 1))
     assert CostModel.from_json(TIMED.to_json()) == TIMED
+
+
+def test_a_row_starts_from_and_relaxes_toward_its_temperature_bands_prior():
+    prior = Prior(CostModel(), (0.35, 0.33), [(1.0, (0.31, 0.33)), (0.0, (0.37, 0.39)), (0.7, (0.38, 0.27))])
+    assert [t for t, _ in prior.bands] == [0.0, 0.7, 1.0]  # coldest first, whatever the file's order
+    assert (prior.at(1, 0.0), prior.at(2, 0.5), prior.at(3, 1.0), prior.at(1, 1.5), prior.at(1)) == (0.37, 0.27, 0.33, 0.35, 0.35)
+    book = AcceptanceBook(prior, depth=2)
+    greedy, hot = Req("g", 0.0), Req("h", 1.0)
+    assert book.row(greedy).acceptance == (0.37, 0.39) and book.row(hot).acceptance == (0.31, 0.33)
+    book.observe([greedy], 1, [0])  # a rejection, then a plain round relaxes it toward its band
+    book.relax([greedy])
+    a = 0.37 + 0.1 * (0.0 - 0.37)
+    assert book.row(greedy).acceptance[0] == pytest.approx(a + 0.1 * (0.37 - a))
+    assert to_prior(attrs.asdict(prior)) == prior
+
+
+def test_bands_come_from_the_cells_chains_of_one_and_two():
+    from specbatch.kernels.calibration import acceptance_bands
+    cells = {"T=0.0 width=1": {"1": 0.4, "2": 0.3}, "T=0.0 width=2": {"1": 0.36, "2": 0.27},
+             "T=0.7 width=1": {"1": 0.3}, "T=1.0 width=1": {}}
+    got = acceptance_bands(cells)
+    assert [t for t, _ in got] == [0.0, 0.7]
+    assert got[0][1] == pytest.approx([0.38, 0.5], abs=1e-4)  # a2 = 2 * rate / a1 - 1: 0.5 at both widths
+    assert got[1][1] == [0.3]

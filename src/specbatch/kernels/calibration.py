@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 
 import attrs
@@ -126,7 +127,7 @@ def prior_for(target: str, drafter: str | None) -> Prior:
     entry = lookup(target, drafter, "", _entry) or {}
     base = lookup(target, None, "", _entry) or {}
     if "cost" in entry and entry.get("acceptance"):
-        return Prior(CostModel.from_json(entry["cost"]), entry["acceptance"])
+        return Prior(CostModel.from_json(entry["cost"]), entry["acceptance"], entry.get("acceptance_bands", ()))
     return derive_prior(entry, base)
 
 
@@ -141,3 +142,23 @@ def acceptance_by_position(histogram: dict, drafted: int) -> list[float]:
     counts = {int(n): c for n, c in histogram.items()}
     at_least = [sum(c for n, c in counts.items() if n >= i) for i in range(drafted + 1)]
     return [round(at_least[i] / at_least[i - 1], 4) for i in range(1, drafted + 1) if at_least[i - 1]]
+
+
+def acceptance_bands(cell_acceptance: dict) -> list[list]:
+    """Acceptance by position per temperature band, from the cells' accepted / drafted
+    (``"T=t width=w" -> {k: rate}``): position 1 is a chain of one's rate, position 2
+    follows from a chain of two's (``rate = (a1 + a1 * a2) / 2``); medians over widths."""
+    by_band: dict[float, dict[int, list[float]]] = {}
+    for key, rates in cell_acceptance.items():
+        band = by_band.setdefault(float(key.split()[0][2:]), {1: [], 2: []})
+        a1 = rates.get("1")
+        if a1:
+            band[1].append(float(a1))
+            if rates.get("2") is not None:
+                band[2].append(min(max(2.0 * float(rates["2"]) / float(a1) - 1.0, 0.0), 1.0))
+    out = []
+    for t, band in sorted(by_band.items()):
+        acc = [round(statistics.median(band[i]), 4) for i in (1, 2) if band[i]]
+        if acc:
+            out.append([t, acc])
+    return out

@@ -30,22 +30,33 @@ EWMA = 0.1  # weight of the latest round in a row's acceptance (0.3 swung a 0.3-
 RELAX = 0.1  # a plain round moves a row's acceptance this far back toward the prior
 
 
+def _bands(value) -> tuple[tuple[float, tuple[float, ...]], ...]:
+    """(max temperature, acceptance by position) pairs, coldest first (JSON lists too)."""
+    return tuple(sorted((float(t), tuple(float(a) for a in acc)) for t, acc in value))
+
+
 @attrs.frozen
 class Prior:
-    """What calibration knows before any round: the costs and the acceptance by position."""
+    """What calibration knows before any round: the costs and the acceptance by position,
+    pooled over every temperature (``acceptance``) and, where calibrate measured them, per
+    temperature band (``bands``: a row starts from its band's)."""
 
     cost: CostModel = attrs.field(factory=CostModel)
     acceptance: tuple[float, ...] = attrs.field(default=(PRIOR_ACCEPTANCE,), converter=tuple)
+    bands: tuple[tuple[float, tuple[float, ...]], ...] = attrs.field(default=(), converter=_bands)
 
-    def at(self, position: int) -> float:
-        """Acceptance at ``position`` (1-based); past the measured ones, the deepest measured."""
-        return self.acceptance[min(position, len(self.acceptance)) - 1]
+    def at(self, position: int, temperature: float | None = None) -> float:
+        """Acceptance at ``position`` (1-based; past the measured ones, the deepest measured),
+        for a row at ``temperature`` where a band holds it, else pooled."""
+        acceptance = next((acc for t, acc in self.bands if temperature is not None and temperature <= t and acc),
+                          self.acceptance)
+        return acceptance[min(position, len(acceptance)) - 1]
 
 
 def to_prior(value) -> Prior:
     """A ``Prior``, or its ``attrs.asdict`` form (a config sent over the wire)."""
     if isinstance(value, dict):
-        return Prior(CostModel.from_json(value["cost"]), value["acceptance"])
+        return Prior(CostModel.from_json(value["cost"]), value["acceptance"], value.get("bands", ()))
     return value
 
 
@@ -210,7 +221,7 @@ class AcceptanceBook:
     def row(self, request) -> RowState:
         rates = self.rates.get(request.id)
         if rates is None:
-            rates = [self.prior.at(i) for i in range(1, self.depth + 1)]
+            rates = [self.prior.at(i, request.params.temperature) for i in range(1, self.depth + 1)]
         return RowState(rates, request.params.temperature)
 
     def rows(self, requests) -> list[RowState]:
@@ -233,9 +244,9 @@ class AcceptanceBook:
         observes nothing, so without this a few rejections decided plain for the rest of a
         stream (7 speculative rounds of 63 at width 1, where always drafting gained 1.23x)."""
         for request in requests:
-            rates = self.rates.get(request.id)
+            rates, t = self.rates.get(request.id), request.params.temperature
             if rates is not None:
-                self.rates[request.id] = [r + RELAX * (self.prior.at(i) - r) for i, r in enumerate(rates, 1)]
+                self.rates[request.id] = [r + RELAX * (self.prior.at(i, t) - r) for i, r in enumerate(rates, 1)]
 
     def keep(self, requests) -> None:
         """Forget rows no longer live."""

@@ -9,7 +9,7 @@ import statistics
 
 import attrs
 
-from ..kernels.calibration import acceptance_by_position, derive_prior, lookup, machine_key, pair_key, store, store_fields
+from ..kernels.calibration import acceptance_bands, acceptance_by_position, derive_prior, lookup, machine_key, pair_key, store, store_fields
 from ..runtime.schedule import Band, DraftSchedule
 from .bench.harness import Context, acceptance, code_prompts, core_tok_s
 from .calibrate_cost import cells_from, fit_cost, measure_forwards, timed_rounds
@@ -149,7 +149,7 @@ def policy_fields(target, table: dict) -> dict:
     cost = attrs.evolve(cost, rounds=timed_rounds(cells))  # what was timed prices itself
     print(f"cost model: {cost.to_json()}")
     return {"cost": cost.to_json(), "acceptance": by_position or list(prior.acceptance), "cell_acceptance": by_cell,
-            "decode_tok_s": decode}
+            "acceptance_bands": acceptance_bands(by_cell), "decode_tok_s": decode}
 
 
 def calibrate_trees(target, drafter, config, schedule: DraftSchedule, args) -> tuple[DraftSchedule, dict]:
