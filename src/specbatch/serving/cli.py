@@ -222,8 +222,9 @@ def _measuring_parsers(sub) -> None:
                    help="tokens already in the cache when a chunk is timed (mid-way into a 2,000-token prompt)")
     c.add_argument("--widths", default="1,2,4,8,16")
     c.add_argument("--draft-lengths", default="1,2,3,4,6", help="draft lengths to try at each width")
-    c.add_argument("--tokens", type=int, default=32)
-    c.add_argument("--repeats", type=int, default=2)
+    c.add_argument("--tokens", type=int, default=64,
+                   help="tokens a cell's rows decode (32-token cells at widths >= 2 mispredicted 64-token decoding)")
+    c.add_argument("--repeats", type=int, default=3, help="interleaved repeats a cell's rate is the median of")
     c.add_argument("--margin", type=float, default=0.05,
                    help="speculation must win by this much (3%% let width-4 cells of +3.6%% through that lost 12%% in the widths bench)")
     from ..tools.calibrate_tree import CANDIDATES
