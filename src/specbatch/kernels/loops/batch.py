@@ -33,7 +33,7 @@ from ..logprobs import gather, read, sample_read
 from ..paged_kv import KVLayout
 from ..runner import TargetRunner, prefill_batch
 from ..sampling import RowSampling, positions_from, sample
-from .round import advance, first_token, speculate
+from .round import advance, first_token, follow_plain, speculate
 from .verify import last_hidden
 
 log = structlog.get_logger(__name__)
@@ -151,7 +151,7 @@ class BatchLoop:
         if decision.plain:  # the drafter follows the rows past this round's token
             passed = [r.prev for r in self.rows]
             out = self.plain_round(successor=False)
-            self.drafter.advance(passed, hidden=last_hidden(self.target))
+            follow_plain(self.target, self.drafter, passed)
             return out
         result = speculate(self.target, self.kv, self.drafter, [r.pending for r in self.rows],
                            [r.prev for r in self.rows], self._rows_sampling(), [r.request.emitted for r in self.rows],

@@ -5,7 +5,8 @@ The loops differ only in what they hand in: the scalar loop its ``SingleKV`` and
 (sampled) drafts, the batch loop its ``BatchKV`` and greedy drafts; per-row rollback and
 compaction are the cache's own row edits either way. Afterwards every row's target KV
 and drafter state hold its sequence but the new pending token (the bonus), as before the
-round (vocabulary: ``verify``).
+round (vocabulary: ``verify``); a plain round's loop keeps the drafter there with
+``follow_plain``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def speculate(target: TargetRunner, kv, drafter, pending: list[int], prev: list[
     kv.trim_rows(back)
     drafter.rollback(back, hidden=bonus_hidden(target, result.accepted))
     return result
+
+
+def follow_plain(target: TargetRunner, drafter, passed: list[int]) -> None:
+    """After a plain round (a token a row, nothing drafted) the drafter keeps the invariant
+    too: it takes each row's ``passed`` token (its prev before the round) and the target
+    state that predicted the new pending one."""
+    drafter.advance(passed, hidden=last_hidden(target))
 
 
 def advance(prev: int, pending: int, run: list[int]) -> tuple[int, int]:

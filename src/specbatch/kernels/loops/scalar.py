@@ -21,8 +21,8 @@ from ..logprobs import sample_read
 from ..runner import TargetRunner
 from ..sampling import RowSampling, positions_from
 from ..single_kv import SingleKV
-from .round import advance, first_token, speculate
-from .verify import RoundResult, last_hidden
+from .round import advance, first_token, follow_plain, speculate
+from .verify import RoundResult
 
 
 @attrs.frozen
@@ -115,7 +115,7 @@ class ScalarLoop:
         passed, self.prev, self.pending = self.prev, self.pending, token
         self._buffer.append((token, lps and lps[0]))
         if self.drafter is not None:  # the drafter follows (a head one from the state that predicted the pending token)
-            self.drafter.advance([passed], hidden=last_hidden(self.target))
+            follow_plain(self.target, self.drafter, [passed])
 
     def close(self) -> Handoff:
         """Stop here (usually mid-round) and hand everything to the batch loop."""
