@@ -201,21 +201,23 @@ class Context:
             return load(self.target.name).model
 
     def engine(self, **overrides) -> Engine:
-        fields = {"prompt_cache_bytes": 0, **overrides}
-        config = attrs.evolve(self.config, **fields)
-        drafter = self.drafter if config.speculation else None
-        engine = new_engine(self.target, drafter, config)
+        """A started engine with ``overrides`` over the context's config (prompt cache off)."""
+        engine = new_engine(self.target, *self._kernels(overrides))
         engine_tok_s(engine, code_prompts(self.target.tokenizer, 2), 8)  # warm up
         self._engines.append(engine)
         return engine
 
     def core(self, **overrides):
-        """A steppable core (``core_tok_s``) with ``overrides`` over the context's config."""
-        config = attrs.evolve(self.config, **{"prompt_cache_bytes": 0, **overrides})
-        core = new_core(self.target, self.drafter if config.speculation else None, config)
+        """A steppable core (``core_tok_s``), as ``engine`` builds one."""
+        core = new_core(self.target, *self._kernels(overrides))
         core_tok_s(core, code_prompts(self.target.tokenizer, 2), 8)  # warm up
         self._cores.append(core)
         return core
+
+    def _kernels(self, overrides: dict) -> tuple:
+        """(drafter or None, config) for ``overrides`` over the context's config."""
+        config = attrs.evolve(self.config, **{"prompt_cache_bytes": 0, **overrides})
+        return (self.drafter if config.speculation else None), config
 
     def always(self, **more) -> dict:
         """Overrides for an engine that speculates with chains of ``k`` whatever the
