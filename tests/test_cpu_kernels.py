@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -63,6 +65,43 @@ def test_a_narrowed_pool_gives_the_same_bits_and_releases_its_cap():
     with pytest.raises(RuntimeError), cpu.narrowed():
         raise RuntimeError("the cap goes even when the block fails")
     assert ext.threads() == threads
+
+
+_PLACEMENT_PROBE = """
+import glob, mlx.core as mx
+from specbatch.kernels import cpu
+def single():  # this process's threads allowed on exactly one CPU (Linux's task status)
+    out = 0
+    for path in glob.glob("/proc/self/task/*/status"):
+        allowed = next(l.split()[1] for l in open(path) if l.startswith("Cpus_allowed_list:"))
+        out += allowed.isdigit()
+    return out
+ext = cpu.extension()
+x, w = mx.random.normal((2, 300)), mx.random.normal((4096, 300))  # columns enough for every thread
+runs = []
+for on in (True, False, True):
+    ext.pool_pin(on)
+    runs.append(ext.small_linear(x, w))
+    mx.eval(runs[-1])
+    print(single(), end=" ")
+print(ext.threads(), all(mx.array_equal(r, runs[0]).item() for r in runs))
+"""
+
+
+@needs_kernels
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_pinned_pool_threads_each_take_a_core_and_give_the_same_bits():
+    import os
+    import subprocess
+    ext = cpu.extension()
+    if ext.threads() < 2 or len(os.sched_getaffinity(0)) < ext.threads():
+        pytest.skip("pinning needs as many CPUs as pool threads")
+    # a fresh process: this one's other MLX stream threads were pinned by earlier tests
+    out = subprocess.run([sys.executable, "-c", _PLACEMENT_PROBE], capture_output=True, text=True, check=True)
+    pinned, floating, again, threads, same = out.stdout.split()
+    # MLX's stream thread and each worker on a core of its own, then all back to the OS, then pinned again
+    assert (int(pinned), int(floating), int(again)) == (int(threads), 0, int(threads))
+    assert same == "True"  # every sum is one thread's whole: placement never changes a bit
 
 
 @needs_kernels

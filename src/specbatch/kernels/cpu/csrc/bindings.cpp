@@ -72,6 +72,9 @@ NB_MODULE(_ext, m) {
   m.def("half_weights", &specbatch::half_weights_supported,
         "whether the linears take float16 weights (widened exactly as they stream)");
   m.def("threads", [] { return specbatch::pool().size(); });
+  m.def("pool_pin", [](bool on) { specbatch::pool().pin(on); }, nb::arg("on"),
+        "pin each kernel thread to a core of its own (True, the default) or leave placement to the OS");
+  m.def("pool_pinned", [] { return specbatch::pool().pinned(); });
   // the MLX this was compiled against; the loader refuses to run beside another one
   m.attr("built_for_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) +
                             "." + std::to_string(MLX_VERSION_PATCH);

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <immintrin.h>
+#include <pthread.h>
 #include <sched.h>
 
 namespace specbatch {
@@ -20,10 +21,38 @@ int default_threads() {
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
   return static_cast<int>(std::thread::hardware_concurrency());
 }
+
+bool pin_by_default() {
+  const char* env = std::getenv("SPECBATCH_CPU_PIN");
+  return env == nullptr || std::atoi(env) != 0;
+}
+
+// The placement this thread last applied (-1: none yet), against Pool::placement_.
+thread_local int applied = -1;
 }  // namespace
 
-Pool::Pool(int threads) {
+Pool::Pool(int threads) : pinned_(pin_by_default() ? 1 : 0) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+      if (CPU_ISSET(cpu, &set)) cpus_.push_back(cpu);
+  }
   for (int id = 1; id < threads; ++id) workers_.emplace_back([this, id] { work(id); });
+}
+
+void Pool::place(int slot) {
+  const int want = pinned_.load(std::memory_order_relaxed);
+  if (applied == want) return;
+  applied = want;
+  if (cpus_.size() < workers_.size() + 1) return;  // fewer CPUs than threads: never stack two on one
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (want) {
+    CPU_SET(cpus_[slot], &set);
+  } else {
+    for (int cpu : cpus_) CPU_SET(cpu, &set);
+  }
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
 }
 
 Pool::~Pool() {
@@ -37,6 +66,7 @@ Pool::~Pool() {
 }
 
 void Pool::run(const std::function<void(int)>& fn, int parts) {
+  place(0);
   parts = std::min(parts, static_cast<int>(workers_.size()) + 1);
   if (parts <= 1) {  // one part: no worker woken (nor its core kept spinning)
     fn(0);
@@ -79,6 +109,7 @@ void Pool::work(int id) {
       seen = generation_.load();
       job = job_, parts = parts_;
     }
+    place(id);
     if (id < parts) (*job)(id);
     pending_.fetch_sub(1, std::memory_order_acq_rel);
   }

@@ -25,6 +25,12 @@ class Pool {
   // a small graph computing on one core while the caller builds the next on the other. The
   // sums never depend on it (each output is one thread's whole).
   static void cap(int threads) { cap_.store(threads, std::memory_order_relaxed); }
+  // Each pool thread on a core of its own (the caller, MLX's stream thread, on the first CPU
+  // the process may use, worker i on the i-th): left to the scheduler, a woken worker at times
+  // shared the caller's core and a width-1 round took twice as long (15% of rounds; pinned,
+  // none). On by default; SPECBATCH_CPU_PIN=0 or pin(false) leaves placement to the OS.
+  void pin(bool on) { pinned_.store(on ? 1 : 0, std::memory_order_relaxed); }
+  bool pinned() const { return pinned_.load(std::memory_order_relaxed) != 0; }
   // Runs fn(0..parts-1) (parts: what the caller planned from one size() read), part 0 on the
   // calling thread; returns when all are done. Callers on different threads (MLX runs one
   // stream thread per stream) take turns.
@@ -37,6 +43,9 @@ class Pool {
 
  private:
   void work(int id);
+  void place(int slot);  // applies the pinned_ placement to this thread, when it changed
+  std::vector<int> cpus_;  // the CPUs the process may use, at construction
+  std::atomic<int> pinned_;
   std::vector<std::thread> workers_;
   std::mutex run_mu_;  // one run at a time: a second stream's kernel waits for the first's
   std::mutex mu_;
