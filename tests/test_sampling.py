@@ -46,6 +46,27 @@ def test_token_is_a_pure_function_of_logits_seed_and_position():
     assert wide[0].tolist() == mx.argmax(logits[0], -1).tolist()  # the greedy row
 
 
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0.7, seed=1), SamplingParams(seed=2)],  # a sampled and a greedy row
+    [SamplingParams(temperature=1.0, seed=3, top_p=0.9), SamplingParams(temperature=0.5, seed=4, top_k=5)],
+    [SamplingParams(temperature=0.8, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
+                    logit_bias={7: 5.0}), SamplingParams(seed=6, logit_bias={3: -100.0})],
+    [SamplingParams(), SamplingParams()],  # greedy, no seeds
+])
+def test_the_fused_sampler_is_the_argmax_of_the_scores(params):
+    from specbatch.kernels import cpu
+    from specbatch.kernels.sampling import perturbed
+    logits = mx.random.normal((2, 3, 1_000), key=mx.random.key(9)) * 3
+    rows = RowSampling.of(params, [[7, 7, 1], [3]])
+    drafted = mx.array([[7, 2], [4, 4]], dtype=mx.int32)
+    positions = positions_from([5, 40], 3)
+    fused = sample(logits, rows, positions, drafted)  # on the kernels, one op where they run
+    with cpu.disabled():  # the ops (with MLX's own noise: its logs may differ in the last bits)
+        plain = sample(logits, rows, positions, drafted)
+    expected = mx.argmax(perturbed(logits, rows, positions, drafted), axis=-1)  # the kernel's noise, MLX's ops
+    assert fused.tolist() == expected.tolist() == plain.tolist()
+
+
 def test_sampling_follows_the_distribution():
     logits = mx.log(mx.array([[[0.5, 0.3, 0.2]]]))
     rows = RowSampling.of([SamplingParams(temperature=1.0, seed=1)])

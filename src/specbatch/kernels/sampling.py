@@ -28,11 +28,15 @@ def _key_words(seed: int) -> int:
     return (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
 
+def _seed_words(seeds: list[int | None]) -> mx.array:
+    # a greedy row may carry no seed: its noise is never read
+    return mx.array([_key_words(s or 0) for s in seeds], dtype=mx.uint32)  # [B]
+
+
 def position_noise(seeds: list[int], positions: mx.array, vocab: int) -> mx.array:
     """Gumbel noise keyed by (seed, position): ``[B, N, V]`` for positions ``[B, N]``; each
     element a pure function of (seed, position, token) (``cpu.gumbel``'s hash)."""
-    words = mx.array([_key_words(s) for s in seeds], dtype=mx.uint32)  # [B]
-    return cpu.gumbel(words, positions.astype(mx.int32), vocab)
+    return cpu.gumbel(_seed_words(seeds), positions.astype(mx.int32), vocab)
 
 
 def filter_logits(logits: mx.array, top_p: mx.array, top_k: mx.array) -> mx.array:
@@ -123,17 +127,26 @@ def adjusted(logits: mx.array, rows: RowSampling, drafted: mx.array | None = Non
     return logits
 
 
+def _prepared(logits: mx.array, rows: RowSampling, drafted: mx.array | None) -> mx.array:
+    """The logits the noise is added to: adjusted, then filtered (sampled rows only)."""
+    logits = adjusted(logits.astype(mx.float32), rows, drafted)
+    if rows.filtered and not rows.all_greedy:
+        logits = filter_logits(logits, mx.array(rows.top_p), mx.array(rows.top_k))
+    return logits
+
+
 def perturbed(logits: mx.array, rows: RowSampling, positions: mx.array,
               drafted: mx.array | None = None) -> mx.array:
     """Scores whose argmax is the sampled token: filter(adjusted logits)/T + g[p]; [B, N, V].
 
     Greedy rows return the adjusted logits (argmax of them is the greedy token).
     """
-    logits = adjusted(logits.astype(mx.float32), rows, drafted)
+    return _scores(_prepared(logits, rows, drafted), rows, positions)
+
+
+def _scores(logits: mx.array, rows: RowSampling, positions: mx.array) -> mx.array:
     if rows.all_greedy:
         return logits
-    if rows.filtered:
-        logits = filter_logits(logits, mx.array(rows.top_p), mx.array(rows.top_k))
     temp = mx.array(rows.temperature, dtype=mx.float32)[:, None, None]  # [B, 1, 1]
     noise = position_noise(rows.seeds, positions, logits.shape[-1])
     scored = logits / mx.maximum(temp, 1e-6) + noise
@@ -143,8 +156,15 @@ def perturbed(logits: mx.array, rows: RowSampling, positions: mx.array,
 def sample(logits: mx.array, rows: RowSampling, positions: mx.array,
            drafted: mx.array | None = None) -> mx.array:
     """Tokens ``[B, N]`` at output positions ``[B, N]``: a pure function of (logits, seed, p)
-    (and, with penalties, of the tokens before p: ``drafted``, see ``_counts``)."""
-    return mx.argmax(perturbed(logits, rows, positions, drafted), axis=-1).astype(mx.int32)
+    (and, with penalties, of the tokens before p: ``drafted``, see ``_counts``). On the CPU
+    kernels one op (``cpu.sample_tokens``: the same tokens as the argmax of ``perturbed``,
+    without its three ``[B, N, V]`` arrays)."""
+    prepared = _prepared(logits, rows, drafted)
+    temps = mx.array(rows.temperature, dtype=mx.float32)  # [B]
+    fast = cpu.sample_tokens(prepared, temps, _seed_words(rows.seeds), positions.astype(mx.int32))
+    if fast is not None:
+        return fast
+    return mx.argmax(_scores(prepared, rows, positions), axis=-1).astype(mx.int32)
 
 
 def positions_from(starts: list[int], width: int) -> mx.array:

@@ -258,6 +258,17 @@ def gumbel(seeds: mx.array, positions: mx.array, vocab: int) -> mx.array:
     return -mx.log(-mx.log(u))
 
 
+def sample_tokens(logits: mx.array, temperatures: mx.array, seeds: mx.array, positions: mx.array) -> mx.array | None:
+    """Tokens ``[B, N]``, one op: per row the argmax of ``logits / max(T, 1e-6)`` plus
+    :func:`gumbel`'s noise (``T = 0``: of ``logits``), bit for bit MLX's ops over the kernel's
+    noise. ``logits`` float32 ``[B, N, V]``, ``temperatures`` float32 and ``seeds`` uint32
+    ``[B]``, ``positions`` int32 ``[B, N]``; None off the kernels (the caller's ops)."""
+    ext = _active()
+    if ext is None or logits.dtype != mx.float32 or logits.ndim != 3:
+        return None
+    return ext.sample_tokens(logits, temperatures, seeds, positions)
+
+
 def rope_positions(offset) -> mx.array:
     """An mlx-lm cache offset (an int, a scalar or a per-row ``[B]`` array) as the kernel's
     int32 ``[1]`` / ``[B]`` positions of each row's first token."""

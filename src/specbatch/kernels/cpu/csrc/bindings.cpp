@@ -9,6 +9,7 @@
 #include "mlp_block.h"
 #include "mlx/version.h"
 #include "noise.h"
+#include "sample.h"
 #include "norm.h"
 #include "paged_write.h"
 #include "pool.h"
@@ -60,6 +61,9 @@ NB_MODULE(_ext, m) {
         "silu(gate) * up (float32, CPU), one op with a vectorised exp");
   m.def("gumbel", &specbatch::gumbel, nb::arg("seeds"), nb::arg("positions"), nb::arg("vocab"),
         "Gumbel noise [B, N, vocab] keyed by (seed, position, token), one op");
+  m.def("sample_tokens", &specbatch::sample_tokens, nb::arg("logits"), nb::arg("temperatures"), nb::arg("seeds"),
+        nb::arg("positions"),
+        "tokens [B, N]: argmax of logits / max(T, 1e-6) + the keyed Gumbel noise (T = 0: of the logits), one op");
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
   m.def("pool_cap", &specbatch::Pool::cap, nb::arg("threads"),
         "split the kernels evaluated from now on over at most `threads` threads (0: all)");

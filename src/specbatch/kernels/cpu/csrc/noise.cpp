@@ -25,6 +25,11 @@ uint32_t gumbel_key(uint32_t seed, uint32_t position) {
   return fmix32(seed ^ fmix32(position * 0x9e3779b9u + 0x7f4a7c15u));
 }
 
+bool arg_beats(float a, int ia, float b, int ib) {
+  if (a != a || b != b) return a != a && (b == b || ia < ib);
+  return a > b || (a == b && ia < ib);
+}
+
 mx::array gumbel(const mx::array& seeds, const mx::array& positions, int vocab) {
   if (seeds.dtype() != mx::uint32 || seeds.ndim() != 1)
     throw std::invalid_argument("gumbel: seeds must be uint32 [B]");

@@ -16,6 +16,17 @@ namespace mx = mlx::core;
 void gumbel_row_avx2(uint32_t key, float* out, int V);
 void gumbel_row_avx512(uint32_t key, float* out, int V);
 uint32_t gumbel_key(uint32_t seed, uint32_t position);
+// The best score over tokens [v0, v1) of one row and its first index, in MLX's argmax order
+// (any NaN beats every number; the first index wins a tie): scores logits[v] / denom + the
+// row's noise (denom > 0), or logits[v] (denom 0: greedy). v1 > v0.
+struct ArgBest {
+  float value;
+  int index;
+};
+ArgBest sample_span_avx2(uint32_t key, const float* logits, float denom, int v0, int v1);
+ArgBest sample_span_avx512(uint32_t key, const float* logits, float denom, int v0, int v1);
+// Whether (a, ia) comes before (b, ib) in that order.
+bool arg_beats(float a, int ia, float b, int ib);
 
 // seeds uint32 [B], positions int32 [B, N] -> float32 [B, N, vocab]; an element depends only
 // on (seed, position, token), never on the shape of the call.

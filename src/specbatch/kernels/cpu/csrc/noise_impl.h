@@ -57,6 +57,14 @@ inline vf noise(uint32_t key, vu v) {
   return -vlog(-vlog(u));
 }
 
+// Keeps each lane's best score and its index: strictly better, or the first NaN (a lane's
+// indices only grow, so a tie keeps the first).
+inline void take(vf s, vi where, vf& best, vi& at) {
+  const vi better = (s > best) | ((s != s) & (best == best));
+  best = better ? s : best;
+  at = better ? where : at;
+}
+
 }  // namespace
 
 void GUMBEL_ROW(uint32_t key, float* out, int V) {
@@ -68,6 +76,34 @@ void GUMBEL_ROW(uint32_t key, float* out, int V) {
   float tail[W];
   store(tail, noise(key, lane + static_cast<unsigned>(v)));
   for (int j = v; j < V; ++j) out[j] = tail[j - v];
+}
+
+ArgBest SAMPLE_SPAN(uint32_t key, const float* logits, float denom, int v0, int v1) {
+  vu lane;
+  vi index;
+  for (int i = 0; i < W; ++i) lane[i] = static_cast<unsigned>(i), index[i] = i;
+  vf best = splat(-__builtin_inff());
+  vi at = index + v0;  // a lane never taken holds -inf at its first index
+  int v = v0;
+  if (denom > 0.0f) {
+    for (; v + W <= v1; v += W)
+      take(load(logits + v) / denom + noise(key, lane + static_cast<unsigned>(v)), index + v, best, at);
+  } else {
+    for (; v + W <= v1; v += W) take(load(logits + v), index + v, best, at);
+  }
+  if (v < v1) {
+    float tail[W];
+    for (int j = 0; j < W; ++j) tail[j] = v + j < v1 ? logits[v + j] : 0.0f;
+    vf s = load(tail);
+    if (denom > 0.0f) s = s / denom + noise(key, lane + static_cast<unsigned>(v));
+    store(tail, s);
+    for (int j = v1 - v; j < W; ++j) tail[j] = -__builtin_inff();  // past the span: never taken
+    take(load(tail), index + v, best, at);
+  }
+  ArgBest out{best[0], at[0]};
+  for (int i = 1; i < W; ++i)
+    if (arg_beats(best[i], at[i], out.value, out.index)) out = {best[i], at[i]};
+  return out;
 }
 
 }  // namespace specbatch
