@@ -44,7 +44,8 @@ void Pool::place(int slot) {
   const int want = pinned_.load(std::memory_order_relaxed);
   if (applied == want) return;
   applied = want;
-  if (cpus_.size() < workers_.size() + 1) return;  // fewer CPUs than threads: never stack two on one
+  // one thread has no partner to collide with; fewer CPUs than threads: never stack two on one
+  if (workers_.empty() || cpus_.size() < workers_.size() + 1) return;
   cpu_set_t set;
   CPU_ZERO(&set);
   if (want) {
