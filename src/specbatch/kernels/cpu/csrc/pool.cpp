@@ -27,7 +27,7 @@ bool pin_by_default() {
   return env == nullptr || std::atoi(env) != 0;
 }
 
-// The placement this thread last applied (-1: none yet), against Pool::placement_.
+// The placement this thread last applied (-1: none yet), against Pool::pinned_.
 thread_local int applied = -1;
 }  // namespace
 

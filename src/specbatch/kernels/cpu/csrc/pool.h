@@ -27,8 +27,8 @@ class Pool {
   static void cap(int threads) { cap_.store(threads, std::memory_order_relaxed); }
   // Each pool thread on a core of its own (the caller, MLX's stream thread, on the first CPU
   // the process may use, worker i on the i-th): left to the scheduler, a woken worker at times
-  // shared the caller's core and a width-1 round took twice as long (15% of rounds; pinned,
-  // none). On by default; SPECBATCH_CPU_PIN=0 or pin(false) leaves placement to the OS.
+  // shared the caller's core and a width-1 round took twice as long (10-20% of rounds). On by
+  // default; SPECBATCH_CPU_PIN=0 or pin(false) leaves placement to the OS.
   void pin(bool on) { pinned_.store(on ? 1 : 0, std::memory_order_relaxed); }
   bool pinned() const { return pinned_.load(std::memory_order_relaxed) != 0; }
   // Runs fn(0..parts-1) (parts: what the caller planned from one size() read), part 0 on the
