@@ -105,6 +105,15 @@ def test_pinned_pool_threads_each_take_a_core_and_give_the_same_bits():
 
 
 @needs_kernels
+def test_the_fma_peak_probe_runs_on_any_thread_count():
+    ext = cpu.extension()
+    whole = ext.fma_peak_gflops(2_000_000)  # a rate: its size is the bench's to read, never a test's
+    with cpu.narrowed():
+        alone = ext.fma_peak_gflops(2_000_000)
+    assert whole > 0.0 and alone > 0.0 and ext.fma_peak_gflops(0) == 0.0
+
+
+@needs_kernels
 def test_batched_strided_and_sliced_inputs():
     x = mx.random.normal((4, 3, 64))  # [batch, positions, K]: 12 rows
     w = mx.random.normal((96, 64))

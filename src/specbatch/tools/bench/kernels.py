@@ -5,6 +5,10 @@ against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
   head included; float16 where half-stored, ``kernels.cpu.half``, its 4-bit blocks where decode
   rows read those, ``kernels.cpu.q4``) over the read bandwidth a one-row sgemv probe reaches on
   a float32 stack of the same shapes;
+- the compute bound: every weight times every token row (two FLOPs each) over the float32
+  FMA peak all kernel threads reach at once (``fma_peak_gflops``); a shape's roofline is the
+  larger of its bytes (the 4-bit blocks up to 3 token rows, the stored matrices beyond) over
+  the bandwidth and its FLOPs over that peak;
 - forward of ``rows x positions`` tokens over a 128-token context (decode steps at widths
   1-16, verifies of 2-16 positions at width 1), kernels on and off (off: MLX's ops on the
   float32 weights mlx-lm runs), every case in turn within each repeat, and what each step
@@ -110,14 +114,23 @@ def suite_kernels(ctx) -> dict:
     probe = sgemv_probe(model)
     bound_ms = total / probe / 1e6
     repeats = max(15, 5 * ctx.repeats)  # ~1 s a repeat; 5-9 left 3 positions above 4 on a noisy VM
+    ext = cpu.extension()
+    peak = ext.fma_peak_gflops() if ext is not None else 0.0
+    q4_rows = ext.q4_max_rows if ext is not None else 0
+    stored = sum(w.nbytes for w in _matrices(model))
+    weights = sum(w.size for w in _matrices(model))
     times = forward_times(model, SHAPES, repeats, baseline=ctx.mlx_lm_model)
     base_on, base_off = times[(1, 1, True)], times[(1, 1, False)]
     rows = []
     for r, n in SHAPES:
         on, off = times[(r, n, True)], times[(r, n, False)]
+        read_ms = (total if r * n <= q4_rows else stored) / probe / 1e6
+        compute_ms = 2 * weights * r * n / peak / 1e6 if peak else 0.0
+        roofline = max(read_ms, compute_ms)
         rows.append({"rows": r, "positions": n, "kernels_ms": on, "mlx_ops_ms": off, "speedup": off / on,
                      "kernels_over_step": on / base_on, "mlx_ops_over_step": off / base_off,
-                     "bound_ms": bound_ms, "fraction_of_bound": bound_ms / on})
+                     "bound_ms": bound_ms, "fraction_of_bound": bound_ms / on,
+                     "roofline_ms": roofline, "fraction_of_roofline": roofline / on})
     from .long import long_prompts
     prompt = long_prompts(ctx.target.tokenizer, 1400, 1)[0]
     ttft = ttft_s(ctx, prompt)
@@ -127,7 +140,7 @@ def suite_kernels(ctx) -> dict:
             "weight_bytes": total, "weight_bytes_stored": sum(w.nbytes for w in _matrices(model)),
             "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
             "q4_matrices": sum(1 for m in _modules(model) if reads_blocks(m)),
-            "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "rows": rows}
+            "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "fma_peak_gflops": peak, "rows": rows}
 
 
 SUITES = {"kernels": suite_kernels}

@@ -9,6 +9,7 @@
 #include "mlp_block.h"
 #include "mlx/version.h"
 #include "noise.h"
+#include "probe.h"
 #include "sample.h"
 #include "norm.h"
 #include "paged_write.h"
@@ -73,6 +74,8 @@ NB_MODULE(_ext, m) {
   m.def("q4_forget", &specbatch::q4_forget, nb::arg("half"), "forget the 4-bit blocks registered for `half`");
   m.def("q4_clear", &specbatch::q4_clear, "forget every registered 4-bit block set");
   m.def("q4_count", &specbatch::q4_count, "how many matrices read their 4-bit blocks");
+  m.def("fma_peak_gflops", &specbatch::fma_peak_gflops, nb::arg("iters") = 20000000,
+        "float32 GFLOPS of independent FMA chains on every pool thread at once (the compute roofline)");
   m.def("half_weights", &specbatch::half_weights_supported,
         "whether the linears take float16 weights (widened exactly as they stream)");
   m.def("threads", [] { return specbatch::pool().size(); });
@@ -83,4 +86,5 @@ NB_MODULE(_ext, m) {
   m.attr("built_for_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) +
                             "." + std::to_string(MLX_VERSION_PATCH);
   m.attr("max_rows") = specbatch::kMaxRows;
+  m.attr("q4_max_rows") = specbatch::kQ4MaxRows;  // token rows that read 4-bit blocks; more read float16
 }
