@@ -137,7 +137,7 @@ def suite_kernels(ctx) -> dict:
     rows.append({"rows": 1, "positions": len(prompt), "ttft_specbatch_s": ttft["specbatch_s"],
                  "ttft_mlx_lm_s": ttft["mlx_lm_s"], "speedup": ttft["mlx_lm_s"] / ttft["specbatch_s"]})
     return {"kernels": {"active": state.active, "isa": state.isa, "why": state.why},
-            "weight_bytes": total, "weight_bytes_stored": sum(w.nbytes for w in _matrices(model)),
+            "weight_bytes": total, "weight_bytes_stored": stored,
             "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
             "q4_matrices": sum(1 for m in _modules(model) if reads_blocks(m)),
             "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "fma_peak_gflops": peak, "rows": rows}
