@@ -65,6 +65,11 @@ def test_a_narrowed_pool_gives_the_same_bits_and_releases_its_cap():
     with pytest.raises(RuntimeError), cpu.narrowed():
         raise RuntimeError("the cap goes even when the block fails")
     assert ext.threads() == threads
+    try:
+        ext.pool_spin(0)  # workers that sleep between every op: the same bits
+        assert all(mx.array_equal(a, b).item() for a, b in zip(run(), want))
+    finally:
+        ext.pool_spin(2000)
 
 
 _PLACEMENT_PROBE = """

@@ -10,7 +10,6 @@
 namespace specbatch {
 
 namespace {
-constexpr auto kSpin = std::chrono::microseconds(60);
 
 int default_threads() {
   if (const char* env = std::getenv("SPECBATCH_CPU_THREADS")) {
@@ -92,8 +91,11 @@ void Pool::work(int id) {
   unsigned seen = 0;  // the generation at construction: a run may start before this thread does
   for (;;) {
     auto start = std::chrono::steady_clock::now();
-    while (generation_.load(std::memory_order_acquire) == seen &&
-           std::chrono::steady_clock::now() - start < kSpin) {
+    // capped to one thread (a draft computing while its caller builds the verify): no job
+    // comes to a worker, so it sleeps at once and leaves its core to the builder
+    const auto spin = std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed));
+    while (generation_.load(std::memory_order_acquire) == seen && cap_.load(std::memory_order_relaxed) != 1 &&
+           std::chrono::steady_clock::now() - start < spin) {
       for (int i = 0; i < 32; ++i) _mm_pause();
     }
     if (generation_.load(std::memory_order_acquire) == seen) {
