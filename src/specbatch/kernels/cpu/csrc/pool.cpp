@@ -91,10 +91,11 @@ void Pool::work(int id) {
   unsigned seen = 0;  // the generation at construction: a run may start before this thread does
   for (;;) {
     auto start = std::chrono::steady_clock::now();
-    // capped to one thread (a draft computing while its caller builds the verify): no job
-    // comes to a worker, so it sleeps at once and leaves its core to the builder
+    // a worker the cap leaves out (a draft computing on one core while its caller builds the
+    // verify) gets no part, so it sleeps at once and leaves its core to the builder
     const auto spin = std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed));
-    while (generation_.load(std::memory_order_acquire) == seen && cap_.load(std::memory_order_relaxed) != 1 &&
+    auto wanted = [&] { const int c = cap_.load(std::memory_order_relaxed); return c <= 0 || id < c; };
+    while (generation_.load(std::memory_order_acquire) == seen && wanted() &&
            std::chrono::steady_clock::now() - start < spin) {
       for (int i = 0; i < 32; ++i) _mm_pause();
     }

@@ -1,7 +1,7 @@
 // A small persistent thread pool: a decode step runs ~100 pool passes of 20-500 us each, so
 // workers spin up to 2 ms before sleeping (a wake on this VM's pinned cores cost ~100 us;
 // one process, interleaved, 2,000 against 60 us: plain width 8 0.91-1.01x and width 1
-// 0.94-0.98x the time, width-1 speculation even). A worker capped out never spins.
+// 0.94-0.98x the time, width-1 speculation even). A worker the cap leaves out never spins.
 #pragma once
 
 #include <atomic>
