@@ -1,7 +1,7 @@
 """4-bit blocks for decode rows: a half-stored linear (:mod:`.half`) that a checkpoint shipped
 as affine 4-bit blocks (the embedded target's GGUF is Q4_1: 32 weights a group, a float16
-scale and bias each) is also read as those blocks by 1-3 token rows (decode steps at widths
-1-3, verifies of up to 3 positions): 0.75 bytes a weight instead of 2 (the kernel keeps its own
+scale and bias each) is also read as those blocks by 1-4 token rows (decode steps at widths
+1-4, verifies of up to 4 positions): 0.75 bytes a weight instead of 2 (the kernel keeps its own
 copy, nibbles repacked and scales widened). The kernel rebuilds each group's 16 values as
 MLX's dequantize rounds them, so every weight it reads is the float16 matrix's and every sum
 the float16 path's, bit for bit; ``register`` checks the whole matrix first and keeps the
