@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from specbatch.kernels.calibration import SHIPPED, acceptance_by_position, derive_prior
 from specbatch.runtime.params import SamplingParams
-from specbatch.runtime.policy import PLAIN, AcceptanceBook, CostModel, Decision, Prior, RowState, SpecPolicy, to_prior
+from specbatch.runtime.policy import (EWMA, PLAIN, RELAX, AcceptanceBook, CostModel, Decision, Prior, RowState, SpecPolicy,
+                                      to_prior)
 from specbatch.runtime.tree_shape import BatchTree, TreeShape
 
 rates = st.floats(0.0, 1.0)
@@ -132,17 +133,20 @@ def test_plain_rounds_bring_a_rejected_row_back_to_speculating():
     cost = CostModel(target_fixed_s=0.034, target_token_s=0.005, draft_fixed_s=0.001, draft_row_s=0.0)
     policy = SpecPolicy(prior=Prior(cost, (0.3,)), max_k=2)
     book, row = AcceptanceBook(policy.prior, depth=2), Req("a")
-    assert policy.decide(book.rows([row])) != PLAIN  # the prior pays
+    decision = policy.decide(book.rows([row]))
+    assert decision != PLAIN  # the prior pays
     rejections = 0
-    while policy.decide(book.rows([row])) != PLAIN:  # a run of rejections: plain
+    while decision != PLAIN:  # a run of rejections: plain (each round decided as the core does)
         book.observe([row], drafted=1, accepted=[0])
         rejections += 1
+        decision = policy.decide(book.rows([row]), decision)
         assert rejections < 50
     assert rejections >= 3  # at acceptance 0.3 most rounds reject: a few in a row do not flip it
     rounds = 0
-    while policy.decide(book.rows([row])) == PLAIN:  # plain rounds observe nothing but drift back
+    while decision == PLAIN:  # plain rounds observe nothing but drift back
         book.relax([row])
         rounds += 1
+        decision = policy.decide(book.rows([row]), decision)
         assert rounds < 50
     assert book.row(row).acceptance[0] < 0.3 and 1 < rounds  # tried again, not at once
 
@@ -211,8 +215,8 @@ def test_a_row_starts_from_and_relaxes_toward_its_temperature_bands_prior():
     assert book.row(greedy).acceptance == (0.37, 0.39) and book.row(hot).acceptance == (0.31, 0.33)
     book.observe([greedy], 1, [0])  # a rejection, then a plain round relaxes it toward its band
     book.relax([greedy])
-    a = 0.37 + 0.1 * (0.0 - 0.37)
-    assert book.row(greedy).acceptance[0] == pytest.approx(a + 0.1 * (0.37 - a))
+    a = 0.37 + EWMA * (0.0 - 0.37)
+    assert book.row(greedy).acceptance[0] == pytest.approx(a + RELAX * (0.37 - a))
     assert to_prior(attrs.asdict(prior)) == prior
 
 

@@ -26,7 +26,9 @@ __all__ = ["CostModel", "Decision", "Prior", "RowState", "SpecPolicy", "Acceptan
 SIBLING = 0.5  # a sibling candidate accepts at this fraction of the one before it (the model of a tree)
 MARGIN = 0.02  # the better mode must beat the one the last round ran by this much to switch (unmodelled overheads)
 PRIOR_ACCEPTANCE = 0.6  # per position, where no calibration says otherwise
-EWMA = 0.1  # weight of the latest round in a row's acceptance (0.3 swung a 0.3-accepting row to plain and back)
+# Weight of the latest round in a row's acceptance: 0.3 swung a 0.3-accepting row to plain and back;
+# at 0.1, a width-1 row accepting ~0.37 fell to plain on runs of rejections (0.92-0.97 of always drafting).
+EWMA = 0.05
 RELAX = 0.1  # a plain round moves a row's acceptance this far back toward the prior
 
 
