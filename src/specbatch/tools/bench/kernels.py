@@ -7,8 +7,8 @@ against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
   a float32 stack of the same shapes;
 - the compute bound: every weight times every token row (two FLOPs each) over the float32
   FMA peak all kernel threads reach at once (``fma_peak_gflops``); a shape's roofline is the
-  larger of its bytes (the 4-bit blocks up to 3 token rows, the stored matrices beyond) over
-  the bandwidth and its FLOPs over that peak;
+  larger of its bytes (the 4-bit blocks up to ``q4_max_rows`` token rows, the stored matrices
+  beyond) over the bandwidth and its FLOPs over that peak;
 - forward of ``rows x positions`` tokens over a 128-token context (decode steps at widths
   1-16, verifies of 2-16 positions at width 1), kernels on and off (off: MLX's ops on the
   float32 weights mlx-lm runs), every case in turn within each repeat, and what each step
