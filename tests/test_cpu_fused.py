@@ -188,6 +188,28 @@ def test_a_swapped_llama_decodes_the_same_bits_fused_or_not(tiny, monkeypatch):
 
 
 @needs_kernels
+def test_a_dense_caches_buffer_is_read_in_place_with_the_sliced_views_bits(tiny):
+    """An mlx-lm ``KVCache`` with room is written as its own call writes it and attention reads
+    its buffer's first keys (no slice nodes); a subclass takes the cache's own call: same bits."""
+    from mlx_lm.models.cache import KVCache
+
+    class Sliced(KVCache):  # not the exact type: update_and_fetch and its sliced views
+        pass
+    model = tiny.model
+    prompt = mx.array([[3, 5, 7, 9, 11]], dtype=mx.int32)
+    outs = {}
+    for name, kind in (("in_place", KVCache), ("sliced", Sliced)):
+        cache = [kind() for _ in model.layers]
+        got = [model(prompt, cache=cache)]
+        for step in ([[13]], [[2, 4, 6]], [[8]]):  # a decode step, a verify, another step
+            got.append(model(mx.array(step, dtype=mx.int32), cache=cache))
+        mx.eval(got)
+        outs[name] = got
+        assert cache[0].offset == 10
+    assert all(mx.array_equal(a, b).item() for a, b in zip(outs["in_place"], outs["sliced"]))
+
+
+@needs_kernels
 def test_rows_past_the_small_m_kernels_take_the_modules_own_linears(tiny):
     attn = tiny.model.layers[0].self_attn
     wide = mx.random.normal((1, cpu.MAX_ROWS + 1, tiny.model.args.hidden_size))

@@ -247,6 +247,33 @@ def test_attention_reads_a_strided_cache_without_copying_it_wrong():
 
 
 @needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(length=st.integers(1, 6), filled=st.integers(6, 60), room=st.integers(0, 30),
+       kind=st.sampled_from(["", "causal", "array"]), seed=st.integers(0, 2**16))
+def test_attention_over_a_buffers_first_keys_is_the_sliced_views_bits(length, filled, room, kind, seed):
+    key = iter(mx.random.split(mx.random.key(seed), 4))
+    buf_k, buf_v = (mx.random.normal((2, 3, filled + room, 64), key=next(key)) for _ in range(2))  # a cache's buffer
+    q = mx.random.normal((2, 6, length, 64), key=next(key))
+    mask = None if kind == "" else kind
+    if kind == "array":
+        mask = mx.random.uniform(shape=(2, 1, length, filled), key=next(key)) > 0.4
+        mask[..., 0] = True
+    sliced = cpu.attention(q, buf_k[:, :, :filled], buf_v[:, :, :filled], 0.125, mask, merge_heads=True)
+    in_place = cpu.attention(q, buf_k, buf_v, 0.125, mask, merge_heads=True, length=filled)
+    assert mx.array_equal(in_place, sliced).item()
+    with cpu.disabled():  # MLX's own op takes the slice: the same keys
+        assert mx.allclose(cpu.attention(q, buf_k, buf_v, 0.125, mask, merge_heads=True, length=filled), sliced,
+                           rtol=1e-5, atol=1e-5).item()
+
+
+@needs_kernels
+def test_attention_refuses_a_length_past_the_keys():
+    k = v = mx.zeros((1, 1, 8, 64))
+    with pytest.raises(ValueError, match="length"):
+        cpu.extension().attention(mx.zeros((1, 1, 1, 64)), k, v, 1.0, "", mx.array(False), False, 9)
+
+
+@needs_kernels
 def test_a_query_rows_attention_is_the_same_bits_alone_or_in_a_verify():
     k, v = mx.random.normal((1, 3, 50, 64)), mx.random.normal((1, 3, 50, 64))
     q = mx.random.normal((1, 9, 12, 64))

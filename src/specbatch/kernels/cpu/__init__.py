@@ -143,23 +143,28 @@ def _merged(out: mx.array) -> mx.array:
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
-              merge_heads: bool = False) -> mx.array:
+              merge_heads: bool = False, length: int = 0) -> mx.array:
     """softmax(queries keys^T * scale) values: ``queries`` [B, Hq, L, D], ``keys``/``values``
     [B, Hkv, T, D]; ``mask`` None, ``"causal"`` or a bool array [B or 1, 1, L, T]. The kernel
     where it applies, ``mx.fast.scaled_dot_product_attention`` otherwise (additive masks,
     other dtypes, other devices). ``merge_heads``: [B, L, Hq * D] out (the output
-    projection's input, written so by the kernel), else [B, Hq, L, D]."""
+    projection's input, written so by the kernel), else [B, Hq, L, D]. ``length`` > 0: only
+    the first ``length`` keys (a cache's buffer read in place; T is then ``length``)."""
     ext = _active()
     kind = "" if mask is None else mask if isinstance(mask, str) else "array"
     usable = (ext is not None and queries.dtype == keys.dtype == values.dtype == mx.float32
               and queries.ndim == 4 and queries.shape[-1] <= 256 and kind in ("", "causal", "array")
               and (kind != "array" or (mask.dtype == mx.bool_ and mask.ndim == 4 and mask.shape[1] == 1)))
     if not usable:
+        if length:
+            keys, values = keys[..., :length, :], values[..., :length, :]
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         return _merged(out) if merge_heads else out
-    if kind == "array" and mask.shape[2:] != (queries.shape[2], keys.shape[2]):
-        mask = mx.broadcast_to(mask, (mask.shape[0], 1, queries.shape[2], keys.shape[2]))
-    return ext.attention(queries, keys, values, scale, kind, mask if kind == "array" else _NO_MASK, merge_heads)
+    T = length or keys.shape[2]
+    if kind == "array" and mask.shape[2:] != (queries.shape[2], T):
+        mask = mx.broadcast_to(mask, (mask.shape[0], 1, queries.shape[2], T))
+    return ext.attention(queries, keys, values, scale, kind, mask if kind == "array" else _NO_MASK, merge_heads,
+                         length)
 
 
 _NO_MASK = mx.array(False)

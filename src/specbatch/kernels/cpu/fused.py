@@ -18,6 +18,7 @@ return None there.
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from . import MAX_ROWS, _active, add_rms_norm, attention, mlp_block, paged_attention, rope_positions, rows_of, swiglu
 
@@ -38,12 +39,32 @@ def attend(queries, keys, values, cache, scale: float, mask, merge_heads: bool =
     return attention(queries, keys, values, scale, mask, merge_heads)
 
 
+def _append_in_buffer(cache, k, v) -> int:
+    """Store k, v ``[B, H, L, D]`` in an mlx-lm ``KVCache`` whose buffer has room, as its
+    ``update_and_fetch`` does, without the sliced views it returns (two graph nodes a layer:
+    attention reads the buffer's first keys itself); the keys then held, 0 where the cache is
+    another kind or must grow (its own call then)."""
+    if type(cache) is not KVCache or cache.keys is None:
+        return 0
+    prev = cache.offset
+    end = prev + k.shape[2]
+    if end > cache.keys.shape[2] or k.dtype != cache.keys.dtype:
+        return 0
+    cache.offset = end
+    cache.keys[..., prev:end, :] = k
+    cache.values[..., prev:end, :] = v
+    return end
+
+
 def _append_and_attend(q, k, v, cache, scale: float, mask):
     """Store k, v in ``cache`` and attend over it, heads merged ``[B, L, Hq * D]``; a paged
-    cache is written in place and its gathered view never built."""
+    cache is written in place and its gathered view never built, a dense one's buffer read in
+    place."""
     if hasattr(cache, "append") and hasattr(cache, "paged_view"):
         cache.append(k, v)
         k = v = None
+    elif length := _append_in_buffer(cache, k, v):
+        return attention(q, cache.keys, cache.values, scale, mask, merge_heads=True, length=length)
     elif cache is not None:
         k, v = cache.update_and_fetch(k, v)
     return attend(q, k, v, cache, scale, mask, merge_heads=True)

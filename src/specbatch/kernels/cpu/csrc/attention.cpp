@@ -22,7 +22,7 @@ mx::Shape out_shape(const mx::array& q, bool merge_heads) {
 }  // namespace
 
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    const std::string& mask_kind, const mx::array& mask, bool merge_heads) {
+                    const std::string& mask_kind, const mx::array& mask, bool merge_heads, int length) {
   for (const auto* a : {&q, &k, &v})
     if (a->dtype() != mx::float32 || a->ndim() != 4) throw std::invalid_argument("attention: float32 [B, H, N, D] inputs");
   const int Hq = q.shape(1), Hkv = k.shape(1), D = q.shape(3);
@@ -30,19 +30,21 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
     throw std::invalid_argument("attention: q [B, Hq, L, D] and k, v [B, Hkv, T, D] with Hq a multiple of Hkv");
   if (D > 256) throw std::invalid_argument("attention: head dimension above 256");
   if (detect_isa() == Isa::none) throw std::runtime_error("attention: the CPU lacks AVX2/FMA");
-  if (mask_kind == "causal" && q.shape(2) > k.shape(2)) throw std::invalid_argument("attention: more queries than keys");
+  if (length < 0 || length > k.shape(2)) throw std::invalid_argument("attention: length outside [0, T]");
+  const int T = length > 0 ? length : k.shape(2);
+  if (mask_kind == "causal" && q.shape(2) > T) throw std::invalid_argument("attention: more queries than keys");
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs = {q, k, v};
   if (mask_kind == "array") {
     if (mask.dtype() != mx::bool_ || mask.ndim() != 4 || mask.shape(1) != 1 || mask.shape(2) != q.shape(2) ||
-        mask.shape(3) != k.shape(2) || (mask.shape(0) != 1 && mask.shape(0) != q.shape(0)))
+        mask.shape(3) != T || (mask.shape(0) != 1 && mask.shape(0) != q.shape(0)))
       throw std::invalid_argument("attention: a bool mask [B or 1, 1, L, T]");
     inputs.push_back(mask);
   } else if (!mask_kind.empty() && mask_kind != "causal") {
     throw std::invalid_argument("attention: mask is '', 'causal' or 'array'");
   }
   return mx::array(out_shape(q, merge_heads), mx::float32,
-                   std::make_shared<Attention>(s, scale, mask_kind == "causal", false, merge_heads), inputs);
+                   std::make_shared<Attention>(s, scale, mask_kind == "causal", false, merge_heads, length), inputs);
 }
 
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
@@ -121,7 +123,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     a.ks[0] = a.vs[0] = 0, a.ks[1] = a.vs[1] = a.D, a.ks[2] = a.vs[2] = k.shape(1);
     a.slot_stride = slots.shape(1);
   } else {
-    a.Hkv = k.shape(1), a.T = k.shape(2);
+    a.Hkv = k.shape(1), a.T = length_ > 0 ? length_ : k.shape(2);
   }
   if (inputs.size() > mask_at) {
     const auto& m = inputs[mask_at];

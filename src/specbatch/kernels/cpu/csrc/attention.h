@@ -38,9 +38,11 @@ void attention_avx512(const AttentionArgs& a, int64_t task);
 
 // q [B, Hq, L, D], k and v [B, Hkv, T, D] (any strides but D's), mask: "" / "causal" /
 // "array" (bool [B or 1, 1, L, T] as the fourth input) -> [B, Hq, L, D], or with merge_heads
-// [B, L, Hq * D] (what the output projection takes: no transpose and copy after it).
+// [B, L, Hq * D] (what the output projection takes: no transpose and copy after it). length > 0:
+// only the first `length` keys of k and v are attended (a cache's buffer read in place, no
+// slice node before it), and T above means `length`.
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    const std::string& mask_kind, const mx::array& mask, bool merge_heads = false);
+                    const std::string& mask_kind, const mx::array& mask, bool merge_heads = false, int length = 0);
 
 // The same over a paged cache: k_pool and v_pool [P, Hkv * D] (one row per token slot),
 // slots int32 [B, T]: row b's key j is pool row slots[b, j] (columns past a row's length
@@ -51,14 +53,15 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
 
 class Attention : public mx::UnaryPrimitive {
  public:
-  Attention(mx::Stream stream, float scale, bool causal, bool paged, bool merged)
-      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal), paged_(paged), merged_(merged) {}
+  Attention(mx::Stream stream, float scale, bool causal, bool paged, bool merged, int length = 0)
+      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal), paged_(paged), merged_(merged), length_(length) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override { return "SpecbatchAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_ && paged_ == o.paged_ && merged_ == o.merged_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && paged_ == o.paged_ && merged_ == o.merged_ &&
+           length_ == o.length_;
   }
 
  private:
@@ -66,6 +69,7 @@ class Attention : public mx::UnaryPrimitive {
   bool causal_;
   bool paged_;  // inputs q, k_pool, v_pool, slots[, mask]
   bool merged_;  // output [B, L, Hq * D]
+  int length_;  // keys attended (the first of k's), 0: all
 };
 
 }  // namespace specbatch

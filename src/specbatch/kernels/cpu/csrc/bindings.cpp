@@ -27,8 +27,9 @@ NB_MODULE(_ext, m) {
   m.def("small_linear", &specbatch::small_linear, nb::arg("x"), nb::arg("w"),
         "y = x @ w.T (x float32, w float32 or float16; CPU): weights read once for up to 32 rows, blocked beyond; a row's bits never depend on the others");
   m.def("attention", &specbatch::attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
-        nb::arg("mask_kind"), nb::arg("mask"), nb::arg("merge_heads") = false,
-        "softmax(q k^T * scale) v over a strided KV; mask_kind '', 'causal' or 'array' (bool mask)");
+        nb::arg("mask_kind"), nb::arg("mask"), nb::arg("merge_heads") = false, nb::arg("length") = 0,
+        "softmax(q k^T * scale) v over a strided KV; mask_kind '', 'causal' or 'array' (bool mask); "
+        "length > 0: the first `length` keys only (a cache buffer read in place)");
   m.def("paged_attention", &specbatch::paged_attention, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
         nb::arg("slots"), nb::arg("scale"), nb::arg("mask_kind"), nb::arg("mask"), nb::arg("merge_heads") = false,
         "attention over pools [P, Hkv * D] read through slots [B, T] (a paged cache, no gather)");
