@@ -158,6 +158,8 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
     target_dtype = resolve_dtype(dtype)
     blocks = q4.blocks_of(model) if target_dtype is not None else {}  # read again for decode rows
     if target_dtype is not None:
+        if target_dtype == mx.float32:  # the blocks' float32 values, where the kernel reads them
+            q4.dequantize(extension(), model, blocks)
         dequantize_model(model)  # no-op for unquantized models
         model.set_dtype(target_dtype)
     mx.eval(model.parameters())

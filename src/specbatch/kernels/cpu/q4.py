@@ -1,11 +1,16 @@
-"""4-bit blocks for decode rows: a half-stored linear (:mod:`.half`) that a checkpoint shipped
-as affine 4-bit blocks (the embedded target's GGUF is Q4_1: 32 weights a group, a float16
-scale and bias each) is also read as those blocks by 1-4 token rows (decode steps at widths
-1-4, verifies of up to 4 positions): 0.75 bytes a weight instead of 2 (the kernel keeps its own
-copy, nibbles repacked and scales widened). The kernel rebuilds each group's 16 values as
-MLX's dequantize rounds them, so every weight it reads is the float16 matrix's and every sum
-the float16 path's, bit for bit; ``register`` checks the whole matrix first and keeps the
-float16 path where a block set does not rebuild it. ``SPECBATCH_Q4=0`` reads float16 only.
+"""4-bit blocks for decode and verify rows: a linear a checkpoint shipped as affine 4-bit blocks
+(the embedded target's GGUF is Q4_1: 32 weights a group, a float16 scale and bias each) holds
+their float32 values, ``q * scale + bias`` rounded once (what MLX's ``quantized_matmul`` computes
+with float32 activations, and llama.cpp's Q4_1), and is read as those blocks by up to 32 token
+rows: 0.75 bytes a weight instead of 4 (the kernel keeps its own copy, nibbles repacked and
+scales widened). Every weight the kernel rebuilds is the matrix's own value and every sum the
+float32 path's, bit for bit (``register`` checks the whole matrix first; prefill's wider inputs
+read the matrix itself).
+
+Where the kernel reads blocks (AVX-512), ``dequantize`` gives those linears their float32
+values; elsewhere (AVX2, ``SPECBATCH_Q4=0``) mlx-lm's dequantization stands: float16
+arithmetic, whose values a float16 matrix holds exactly (``half``: half the bytes a step
+streams where no block kernel runs).
 
 Vocabulary: *blocks* are a matrix's (q, scales, biases) as MLX's ``QuantizedLinear`` holds them.
 """
@@ -18,6 +23,7 @@ import weakref
 import mlx.core as mx
 import mlx.nn as nn
 import structlog
+from mlx.utils import tree_unflatten
 
 log = structlog.get_logger(__name__)
 
@@ -33,16 +39,42 @@ def blocks_of(model: nn.Module) -> dict:
             and m.get("biases") is not None}
 
 
+def reads_here(ext) -> bool:
+    """Whether this process reads 4-bit blocks (the extension on an AVX-512 CPU, not switched off)."""
+    return ext is not None and ext.isa() == "avx512" and os.environ.get(ENV, "1") != "0"
+
+
+def dequantize(ext, model: nn.Module, blocks: dict) -> int:
+    """Swap each of ``blocks``' linears for one holding their float32 values (``q * scale +
+    bias`` in float32, what the kernel reads) where this process reads blocks; returns how many.
+    Anything else (the embedding, other layouts) is left to mlx-lm's dequantization."""
+    if not blocks or not reads_here(ext):
+        return 0
+    swaps = []
+    for name, m in model.named_modules():
+        if name not in blocks:
+            continue
+        weight = mx.dequantize(m.weight, m.scales.astype(mx.float32), m.biases.astype(mx.float32),
+                               group_size=m.group_size, bits=m.bits)  # [out, in], float32 arithmetic
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+        linear.weight = weight
+        if "bias" in m:
+            linear.bias = m["bias"]
+        swaps.append((name, linear))
+    model.update_modules(tree_unflatten(swaps))
+    return len(swaps)
+
+
 def register(ext, model: nn.Module, blocks: dict) -> int:
-    """Hand the kernels each half-stored linear's blocks where they rebuild it exactly (the
-    module's ``_sb_q4_bytes`` says how many bytes a decode row then reads: the kernel keeps its
-    own copy, repacked); returns how many matrices read them."""
-    if ext is None or not blocks or os.environ.get(ENV, "1") == "0":
+    """Hand the kernels each linear's blocks where they rebuild it exactly (the module's
+    ``_sb_q4_bytes`` says how many bytes a decode row then reads: the kernel keeps its own
+    copy, repacked); returns how many matrices read them."""
+    if not blocks or not reads_here(ext):
         return 0
     done = held = 0
     for name, m in model.named_modules():
         parts = blocks.get(name)
-        if parts is None or getattr(m, "weight", None) is None or m["weight"].dtype != mx.float16:
+        if parts is None or getattr(m, "weight", None) is None or m["weight"].dtype not in (mx.float32, mx.float16):
             continue
         if nbytes := ext.q4_register(m["weight"], *parts):
             m._sb_q4_bytes = nbytes  # what a decode row reads of it

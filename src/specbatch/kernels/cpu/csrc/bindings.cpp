@@ -69,10 +69,10 @@ NB_MODULE(_ext, m) {
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
   m.def("pool_cap", &specbatch::Pool::cap, nb::arg("threads"),
         "split the kernels evaluated from now on over at most `threads` threads (0: all)");
-  m.def("q4_register", &specbatch::q4_register, nb::arg("half"), nb::arg("q"), nb::arg("scales"), nb::arg("biases"),
-        "read a float16 matrix's affine 4-bit blocks for decode rows, where they rebuild it bit for bit; "
-        "the bytes a decode row then reads, 0 where refused");
-  m.def("q4_forget", &specbatch::q4_forget, nb::arg("half"), "forget the 4-bit blocks registered for `half`");
+  m.def("q4_register", &specbatch::q4_register, nb::arg("weight"), nb::arg("q"), nb::arg("scales"), nb::arg("biases"),
+        "read a matrix's affine 4-bit blocks for up to max_rows token rows, where they rebuild its values bit "
+        "for bit (q * scale + bias in float32); the bytes a decode row then reads, 0 where refused");
+  m.def("q4_forget", &specbatch::q4_forget, nb::arg("weight"), "forget the 4-bit blocks registered for `weight`");
   m.def("q4_clear", &specbatch::q4_clear, "forget every registered 4-bit block set");
   m.def("q4_count", &specbatch::q4_count, "how many matrices read their 4-bit blocks");
   m.def("fma_peak_gflops", &specbatch::fma_peak_gflops, nb::arg("iters") = 20000000,
@@ -89,5 +89,6 @@ NB_MODULE(_ext, m) {
   m.attr("built_for_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) +
                             "." + std::to_string(MLX_VERSION_PATCH);
   m.attr("max_rows") = specbatch::kMaxRows;
-  m.attr("q4_max_rows") = specbatch::kQ4MaxRows;  // token rows that read 4-bit blocks; more read float16
+  m.attr("q4_max_rows") = specbatch::kMaxRows;  // token rows that read 4-bit blocks; more read the stored matrix
+  m.attr("q4_tile_rows") = specbatch::kQ4MaxRows;  // of those, the rows the blocks' own tile reads (more: panels)
 }

@@ -47,7 +47,11 @@ bool weight_dtype_ok(const mx::array& w) {
 }
 
 Weights weights_of(const mx::array& w, WeightCopy& copy) {
-  if (w.dtype() != mx::float16) return {row_major(w, copy.f), false};
+  // registered blocks are found by the matrix's own buffer (a strided view's copy has none)
+  if (w.dtype() != mx::float16) {
+    const float* data = row_major(w, copy.f);
+    return {data, false, data == w.data<float>() ? q4_lookup(data) : Q4View{}};
+  }
   const uint16_t* data = row_major(w, copy.h);
   return {data, true, data == w.data<uint16_t>() ? q4_lookup(data) : Q4View{}};
 }
@@ -89,7 +93,8 @@ void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) 
   for (const auto& t : targets) N += t.rows;
   const bool wide = detect_isa() == Isa::avx512;
   auto kernel = [wide](const float* x, int M, int K, const Weights& w, int a, int b, float* y, int ldy) {
-    if (w.q4.packed != nullptr && M <= kQ4MaxRows && wide) return gemv_q4_avx512(x, M, K, w.q4, a, b, y, ldy);
+    // registered blocks for every small-M row count: the stored float32 matrix is 4 bytes a weight
+    if (w.q4.packed != nullptr && M <= kMaxRows && wide) return gemv_q4_avx512(x, M, K, w.q4, a, b, y, ldy);
     if (w.half) {
       const auto* h = static_cast<const uint16_t*>(w.data);
       return wide ? gemv_avx512(x, M, K, h, a, b, y, ldy) : gemv_avx2(x, M, K, h, a, b, y, ldy);

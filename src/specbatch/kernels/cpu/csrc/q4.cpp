@@ -2,6 +2,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -13,7 +15,7 @@ namespace specbatch {
 namespace {
 
 struct Entry {
-  mx::array half;                // the registry's key: held, so its buffer never moves or frees
+  mx::array weight;              // the registry's key: held, so its buffer never moves or frees
   std::vector<uint16_t> packed;  // [N, ceil(K / 64), 16] (below)
   std::vector<float> sb;         // [N, K / 32, 2]: each group's scale and bias, widened
 };
@@ -24,13 +26,11 @@ std::unordered_map<const void*, Entry>& registry() {
   return r;
 }
 
-// The 16 values of a group as MLX's dequantize gives them: fp16(fp16(q * s) + b), widened.
-__attribute__((target("avx512f,f16c"))) inline __m512 table(const float* sb) {
+// The 16 values of a group: q * scale + bias in float32, one rounding (the FMA's), as MLX's
+// quantized_matmul computes the blocks with float32 activations (and llama.cpp's Q4_1, d * q + m).
+__attribute__((target("avx512f"))) inline __m512 table(const float* sb) {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 t = _mm512_mul_ps(iota, _mm512_set1_ps(sb[0]));  // exact in float32
-  t = _mm512_cvtph_ps(_mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  t = _mm512_add_ps(t, _mm512_set1_ps(sb[1]));
-  return _mm512_cvtph_ps(_mm512_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return _mm512_fmadd_ps(iota, _mm512_set1_ps(sb[0]), _mm512_set1_ps(sb[1]));
 }
 
 // A block of 64 weights (two groups) is 16 words; word l holds, in its nibble c, the weight
@@ -73,7 +73,10 @@ __attribute__((target("avx512f,avx512bw,f16c"), always_inline)) inline void bloc
     __m512 wv[NB];
     for (int i = 0; i < NB; ++i) wv[i] = chunk(idx[i], c, t[i][c / 2]);
     for (int j = 0; j < MB; ++j) {
-      const __m512 xv = _mm512_loadu_ps(x + (long)j * K + k0 + 16 * c);
+      __m512 xv = _mm512_loadu_ps(x + (long)j * K + k0 + 16 * c);
+      // one load per x vector: GCC otherwise folds it into each of the NB FMAs, and the loads
+      // bound the tile (one core, in cache, 2 x 4 tile: 2.24 -> 1.42 ns a group)
+      asm("" : "+v"(xv));
       for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
     }
   }
@@ -120,32 +123,92 @@ void rows(const float* x, int K, const Q4View& w, int n0, int n1, float* y, int 
   for (; n < n1; ++n) tile<1, MB>(x, K, w, n, y, N);
 }
 
+// Weight rows [n, n + count) as float32 into `out` [count, K]: the tables' values, the same
+// bits the tile multiplies (and registration's check).
+__attribute__((target("avx512f,avx512bw"))) void dequantize(const Q4View& w, int K, int n, int count,
+                                                          float* __restrict out) {
+  const int G = K / 32, blocks = (K + 63) / 64, whole = G / 2;
+  for (int r = 0; r < count; ++r) {
+    const uint16_t* __restrict p = w.packed + (long)(n + r) * blocks * 16;
+    const float* __restrict sb = w.sb + (long)(n + r) * G * 2;
+    float* __restrict o = out + (long)r * K;
+    for (int b = 0; b < whole; ++b, p += 16, sb += 4, o += 64) {
+      const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      const __m512 t0 = table(sb), t1 = table(sb + 2);
+      _mm512_storeu_ps(o, chunk(idx, 0, t0));
+      _mm512_storeu_ps(o + 16, chunk(idx, 1, t0));
+      _mm512_storeu_ps(o + 32, chunk(idx, 2, t1));
+      _mm512_storeu_ps(o + 48, chunk(idx, 3, t1));
+    }
+    if (whole < blocks) {  // K / 32 odd: a last half block
+      const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      const __m512 t0 = table(sb);
+      _mm512_storeu_ps(o, chunk(idx, 0, t0));
+      _mm512_storeu_ps(o + 16, chunk(idx, 1, t0));
+    }
+  }
+}
+
+// 5-32 token rows: 2-row weight tiles met by up to 8 token rows a pass. Beyond 8 rows, blocks of
+// weight rows (in L2) against 8-row slabs of x (in L1 across the block's tiles), as the float32
+// kernel's prefill blocking; the blocks stream from memory once either way.
+constexpr int kPassRows = 8, kBlockRows = 48;
+
+template <int MB>
+void pass(const float* x, int K, const Q4View& w, int n, float* y, int N) {
+  tile<2, MB>(x, K, w, n, y, N);
+}
+
+// Token rows [m, m + up to 8) against the 2-row weight tile at n.
+void slab(const float* x, int rows, int K, const Q4View& w, int n, float* y, int N) {
+  switch (rows) {
+    case 1: return pass<1>(x, K, w, n, y, N);
+    case 2: return pass<2>(x, K, w, n, y, N);
+    case 3: return pass<3>(x, K, w, n, y, N);
+    case 4: return pass<4>(x, K, w, n, y, N);
+    case 5: return pass<5>(x, K, w, n, y, N);
+    case 6: return pass<6>(x, K, w, n, y, N);
+    case 7: return pass<7>(x, K, w, n, y, N);
+    default: return pass<8>(x, K, w, n, y, N);
+  }
+}
+
+void passes(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N) {
+  const int even = n0 + (n1 - n0) / 2 * 2;
+  for (int b0 = n0; b0 < even; b0 += kBlockRows) {
+    const int b1 = std::min(even, b0 + kBlockRows);
+    for (int m = 0; m < M; m += kPassRows)
+      for (int n = b0; n < b1; n += 2)
+        slab(x + (long)m * K, std::min(kPassRows, M - m), K, w, n, y + (long)m * N, N);
+  }
+  if (even < n1)  // an odd last weight row
+    for (int m = 0; m < M; ++m) tile<1, 1>(x + (long)m * K, K, w, even, y + (long)m * N, N);
+}
+
 }  // namespace
 
 void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N) {
   if (M == 1) return rows<1>(x, K, w, n0, n1, y, N);
   if (M == 2) return rows<2>(x, K, w, n0, n1, y, N);
   if (M == 3) return rows<3>(x, K, w, n0, n1, y, N);
-  rows<4>(x, K, w, n0, n1, y, N);
+  if (M == 4) return rows<4>(x, K, w, n0, n1, y, N);
+  passes(x, M, K, w, n0, n1, y, N);
 }
 
 namespace {
-// Every weight the packed blocks give against the float16 matrix, bit for bit.
-__attribute__((target("avx512f,avx512bw,f16c"))) bool rebuilds(const uint16_t* half, int N, int K, const Q4View& w) {
-  const int G = K / 32, blocks = (K + 63) / 64;
-  alignas(64) float got[16];
-  for (int n = 0; n < N; ++n)
-    for (int g = 0; g < G; ++g) {
-      const uint16_t* p = w.packed + ((long)n * blocks + g / 2) * 16;
-      const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      const __m512 t = table(w.sb + ((long)n * G + g) * 2);
-      for (int h = 0; h < 2; ++h) {
-        _mm512_store_ps(got, chunk(idx, 2 * (g % 2) + h, t));
-        const uint16_t* want = half + (long)n * K + 32 * g + 16 * h;
-        for (int l = 0; l < 16; ++l)
-          if (_cvtss_sh(got[l], _MM_FROUND_TO_NEAREST_INT) != want[l]) return false;
-      }
+// Every weight the packed blocks give against the matrix's own values (float32, or float16
+// widened), bit for bit.
+__attribute__((target("avx512f,avx512bw,f16c"))) bool rebuilds(const mx::array& m, const Q4View& w) {
+  const int N = m.shape(0), K = m.shape(1);
+  std::vector<float> got(static_cast<size_t>(K));
+  for (int n = 0; n < N; ++n) {
+    dequantize(w, K, n, 1, got.data());
+    for (int k = 0; k < K; ++k) {
+      const long at = (long)n * K + k;
+      const float want = m.dtype() == mx::float32 ? m.data<float>()[at] : _cvtsh_ss(m.data<uint16_t>()[at]);
+      if (std::memcmp(&got[k], &want, sizeof(float)) != 0) return false;
     }
+  }
   return true;
 }
 
@@ -156,23 +219,23 @@ __attribute__((target("f16c"))) std::vector<float> widen_pairs(const uint16_t* s
 }
 }  // namespace
 
-int64_t q4_register(const mx::array& half, const mx::array& q, const mx::array& scales, const mx::array& biases) {
-  if (detect_isa() != Isa::avx512 || half.dtype() != mx::float16 || half.ndim() != 2 || q.dtype() != mx::uint32 ||
-      scales.dtype() != mx::float16 || biases.dtype() != mx::float16)
+int64_t q4_register(const mx::array& weight, const mx::array& q, const mx::array& scales, const mx::array& biases) {
+  if (detect_isa() != Isa::avx512 || (weight.dtype() != mx::float32 && weight.dtype() != mx::float16) ||
+      weight.ndim() != 2 || q.dtype() != mx::uint32 || scales.dtype() != mx::float16 || biases.dtype() != mx::float16)
     return 0;
-  const int N = half.shape(0), K = half.shape(1);
+  const int N = weight.shape(0), K = weight.shape(1);
   if (K % 32 != 0 || q.shape() != mx::Shape{N, K / 8} || scales.shape() != mx::Shape{N, K / 32} ||
       biases.shape() != scales.shape())
     return 0;
-  for (const auto* a : {&half, &q, &scales, &biases})
+  for (const auto* a : {&weight, &q, &scales, &biases})
     if (!a->flags().row_contiguous) return 0;
-  mx::eval({half, q, scales, biases});
-  Entry e{half, pack(reinterpret_cast<const uint8_t*>(q.data<uint32_t>()), N, K),
+  mx::eval({weight, q, scales, biases});
+  Entry e{weight, pack(reinterpret_cast<const uint8_t*>(q.data<uint32_t>()), N, K),
           widen_pairs(scales.data<uint16_t>(), biases.data<uint16_t>(), scales.size())};
-  if (!rebuilds(half.data<uint16_t>(), N, K, Q4View{e.packed.data(), e.sb.data()})) return 0;
+  if (!rebuilds(weight, Q4View{e.packed.data(), e.sb.data()})) return 0;
   const int64_t bytes = static_cast<int64_t>(e.packed.size() * sizeof(uint16_t) + e.sb.size() * sizeof(float));
   std::lock_guard<std::mutex> lock(registry_mu);
-  registry().insert_or_assign(half.data<uint16_t>(), std::move(e));
+  registry().insert_or_assign(weight.data<void>(), std::move(e));
   return bytes;
 }
 
@@ -182,10 +245,10 @@ Q4View q4_lookup(const void* data) {
   return it == registry().end() ? Q4View{} : Q4View{it->second.packed.data(), it->second.sb.data()};
 }
 
-void q4_forget(const mx::array& half) {
-  if (half.dtype() != mx::float16 || half.data_shared_ptr() == nullptr) return;
+void q4_forget(const mx::array& weight) {
+  if (weight.data_shared_ptr() == nullptr) return;
   std::lock_guard<std::mutex> lock(registry_mu);
-  registry().erase(half.data<uint16_t>());
+  registry().erase(weight.data<void>());
 }
 
 void q4_clear() {
