@@ -17,7 +17,7 @@ from specbatch.kernels.cpu.modules import FastLinear
 from helpers import run_plain, run_scalar
 
 ext = cpu.extension()
-needs_q4 = pytest.mark.skipif(not q4.reads_here(ext), reason="4-bit blocks are read on AVX-512 CPUs only")
+needs_q4 = pytest.mark.skipif(not q4.reads_here(ext), reason="4-bit blocks are read where the kernels run")
 
 
 def _blocks(n: int, k: int, seed: int):
@@ -182,3 +182,10 @@ def test_a_models_blocks_are_released_with_it(tmp_path):
     del loaded
     gc.collect()
     assert ext.q4_count() == before
+
+
+@needs_q4
+def test_the_avx2_tile_passes_the_same_checks():
+    """The 8-lane tile (each value one FMA, no table) gives the AVX2 float32 path's bits."""
+    from helpers import assert_passes_on_avx2
+    assert_passes_on_avx2(__file__)

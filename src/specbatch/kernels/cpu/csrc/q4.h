@@ -32,7 +32,7 @@ constexpr int kQ4MaxRows = 4;
 // Register `weight` [N, K] (float32, or float16 holding the same values)'s blocks (q uint32
 // [N, K / 8], scales and biases float16 [N, K / 32]) where they rebuild it exactly, returning the
 // bytes a decode row then reads; 0 (and nothing kept) where they do not, or where the CPU lacks
-// AVX-512. The registry keeps its own copy of the blocks and holds `weight`, so the key's buffer
+// AVX2 and FMA. The registry keeps its own copy of the blocks and holds `weight`, so the key's buffer
 // stays put.
 int64_t q4_register(const mx::array& weight, const mx::array& q, const mx::array& scales, const mx::array& biases);
 // The blocks registered for the matrix whose buffer is at `data`, or a view with packed == nullptr.
@@ -43,7 +43,8 @@ void q4_clear();
 int q4_count();
 
 // y[m, n] for rows [n0, n1) of the blocks and M <= kMaxRows token rows: the same sums, in the
-// same order, as gemv_avx512 over the float32 matrix.
+// same order, as gemv_avx512 (gemv_avx2) over the float32 matrix.
 void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N);
+void gemv_q4_avx2(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N);
 
 }  // namespace specbatch
