@@ -174,7 +174,8 @@ void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n
 namespace {
 // Every value of the matrix (float32, or float16 widened) against its blocks' q * s + b, rounded
 // once (what both tiles compute), bit for bit; q uint8 pairs as MLX packs them (element 2i in
-// byte i's low nibble), sb each group's widened scale and bias.
+// byte i's low nibble), sb each group's widened scale and bias. The repacked copy is the tests'
+// to check (the tiles against the float32 path at every row count), not each load's.
 bool rebuilds(const mx::array& m, const uint8_t* q, const std::vector<float>& sb) {
   const int N = m.shape(0), K = m.shape(1), G = K / 32;
   for (long n = 0; n < N; ++n)

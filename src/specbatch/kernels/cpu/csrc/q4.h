@@ -24,8 +24,8 @@ struct Q4View {
 
 // Token rows read in one pass of 4 weight rows (1-3) or 2 (4); 5-32 rows take passes of up to 8
 // over 2-row weight tiles (q4.cpp). The target's 210 layer matrices against the float16 matrix
-// they replaced, alternating processes, best of 40: 1 / 2 / 4 / 5 / 8 token rows 0.78 / 0.70 /
-// 0.70 / 0.63 / 0.97x the time, 16 / 32 rows 1.05-1.12x / 1.13-1.18x (the float32 matrix
+// they replaced, alternating processes, best of 40: 1 / 2 / 4 / 5 / 8 token rows 0.78 / 0.74 /
+// 0.71 / 0.62 / 0.96x the time, 16 / 32 rows 1.05-1.12x / 1.13-1.18x (the float32 matrix
 // itself, 4 bytes a weight, 1.5x at 16-32 rows).
 constexpr int kQ4MaxRows = 4;
 
