@@ -90,5 +90,4 @@ NB_MODULE(_ext, m) {
                             "." + std::to_string(MLX_VERSION_PATCH);
   m.attr("max_rows") = specbatch::kMaxRows;
   m.attr("q4_max_rows") = specbatch::kMaxRows;  // token rows that read 4-bit blocks; more read the stored matrix
-  m.attr("q4_tile_rows") = specbatch::kQ4MaxRows;  // of those, the rows one pass reads (more: passes of up to 8)
 }

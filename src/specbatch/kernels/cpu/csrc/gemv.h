@@ -22,4 +22,17 @@ void gemv_avx2(const float* x, int M, int K, const uint16_t* w, int n0, int n1, 
 void gemv_avx512(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N);
 void gemv_avx512(const float* x, int M, int K, const uint16_t* w, int n0, int n1, float* y, int N);
 
+// A matrix's registered 4-bit blocks as the tiles read them (q4.h): nibbles packed a 64-weight
+// block at a time (word l of a block holds, in its nibble c, weight 16c + l), and each group's
+// scale and bias widened, side by side.
+struct Q4View {
+  const uint16_t* packed = nullptr;
+  const float* sb = nullptr;
+};
+
+// The same y for M <= 32 token rows read from 4-bit blocks (q4_avx512.cpp, q4_avx2.cpp): the same
+// sums, in the same order, as gemv_avx512 (gemv_avx2) over the blocks' float32 values.
+void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N);
+void gemv_q4_avx2(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N);
+
 }  // namespace specbatch

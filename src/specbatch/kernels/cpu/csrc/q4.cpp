@@ -1,15 +1,11 @@
 #include "q4.h"
 
-#include <immintrin.h>
-
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
 
-#include "gemv.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
 
@@ -28,18 +24,8 @@ std::unordered_map<const void*, Entry>& registry() {
   return r;
 }
 
-// The 16 values of a group: q * scale + bias in float32, one rounding (the FMA's), as MLX's
-// quantized_matmul computes the blocks with float32 activations (and llama.cpp's Q4_1, d * q + m).
-__attribute__((target("avx512f"))) inline __m512 table(const float* sb) {
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return _mm512_fmadd_ps(iota, _mm512_set1_ps(sb[0]), _mm512_set1_ps(sb[1]));
-}
-
-// A block of 64 weights (two groups) is 16 words; word l holds, in its nibble c, the weight
-// 16c + l of the block, so one widening load and a shift by 4c give chunk c's 16 table
-// indices in lane order (vpermps reads an index's low 4 bits only). Against the checkpoint's
-// order (element 2i in byte i's low nibble) that saves a byte shuffle a chunk: one process,
-// one core, the target's 210 matrices, 1 / 2 / 3 rows 0.65 / 0.60 / 0.63x the time.
+// The tiles' layout (gemv.h's Q4View): a block of 64 weights (two groups) is 16 words, word l
+// holding in its nibble c the weight 16c + l (why: q4_avx512.cpp).
 std::vector<uint16_t> pack(const uint8_t* q, int N, int K) {
   const int blocks = (K + 63) / 64;
   std::vector<uint16_t> out(static_cast<size_t>(N) * blocks * 16, 0);
@@ -52,126 +38,6 @@ std::vector<uint16_t> pack(const uint8_t* q, int N, int K) {
   return out;
 }
 
-// Chunk c of a block whose words widen to `idx`, looked up in its group's table.
-__attribute__((target("avx512f"))) inline __m512 chunk(__m512i idx, int c, __m512 t) {
-  return _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4 * c), t);
-}
-
-// The 4 chunks (or 2, a last half block) of one 64-weight block for NB weight rows and MB token
-// rows: each chunk's NB weight vectors are looked up once and met by every token row.
-template <int NB, int MB, int CHUNKS>
-__attribute__((target("avx512f,avx512bw"), always_inline)) inline void block(const float* x, int K, int k0,
-                                                                                  const uint16_t* const (&p)[NB],
-                                                                                  const float* const (&sb)[NB],
-                                                                                  __m512 (&acc)[NB][MB]) {
-  __m512i idx[NB];
-  __m512 t[NB][2];
-  for (int i = 0; i < NB; ++i) {
-    idx[i] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[i])));
-    t[i][0] = table(sb[i]);
-    if (CHUNKS == 4) t[i][1] = table(sb[i] + 2);
-  }
-  for (int c = 0; c < CHUNKS; ++c) {  // k in order per lane, as the float16 path sums it
-    __m512 wv[NB];
-    for (int i = 0; i < NB; ++i) wv[i] = chunk(idx[i], c, t[i][c / 2]);
-    for (int j = 0; j < MB; ++j) {
-      __m512 xv = _mm512_loadu_ps(x + (long)j * K + k0 + 16 * c);
-      // one load per x vector: GCC otherwise folds it into each of the NB FMAs, and the loads
-      // bound the tile (one core, in cache, 2 x 4 tile: 2.24 -> 1.42 ns a group)
-      asm("" : "+v"(xv));
-      for (int i = 0; i < NB; ++i) acc[i][j] = _mm512_fmadd_ps(wv[i], xv, acc[i][j]);
-    }
-  }
-}
-
-// Blocks read ahead of the one in hand, in the nibbles' and the scales' streams (a row or more
-// ahead at the target's widths; a prefetch never faults). The target's 210 layer matrices, one
-// process each, alternating, best of 40: 1 row 4.27-4.35 ms at 8 blocks ahead (nibbles only),
-// 3.68-3.92 at 64 (and at 128), 4.05-4.37 at 16-32; 2 rows -7%, 3 rows -8%, 4 rows -2%.
-constexpr int kAhead = 64;
-
-// NB weight rows at once: NB independent accumulator chains per token row (one chain alone
-// waits on each FMA's latency), each still summing its k in order. Whole blocks in the loop,
-// with their chunk count known to the compiler (a runtime count left the weights on the stack:
-// one core, 1 / 4 token rows 0.90 / 0.80x the time).
-template <int NB, int MB>
-__attribute__((target("avx512f,avx512bw"))) void tile(const float* x, int K, const Q4View& w, int n, float* y,
-                                                           int N) {
-  const int G = K / 32, blocks = (K + 63) / 64, whole = G / 2;
-  __m512 acc[NB][MB];
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
-  const uint16_t* p[NB];
-  const float* sb[NB];
-  for (int i = 0; i < NB; ++i) p[i] = w.packed + (long)(n + i) * blocks * 16, sb[i] = w.sb + (long)(n + i) * G * 2;
-  for (int b = 0; b < whole; ++b) {
-    for (int i = 0; i < NB; ++i) {  // both streams, a cache line of scales every 4 blocks
-      _mm_prefetch(reinterpret_cast<const char*>(p[i] + kAhead * 16), _MM_HINT_T0);
-      if (b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(sb[i] + kAhead * 4), _MM_HINT_T0);
-    }
-    block<NB, MB, 4>(x, K, 64 * b, p, sb, acc);
-    for (int i = 0; i < NB; ++i) p[i] += 16, sb[i] += 4;
-  }
-  if (whole < blocks) block<NB, MB, 2>(x, K, 64 * whole, p, sb, acc);  // K / 32 odd
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MB; ++j) y[(long)j * N + n + i] = _mm512_reduce_add_ps(acc[i][j]);
-}
-
-template <int MB>
-void rows(const float* x, int K, const Q4View& w, int n0, int n1, float* y, int N) {
-  constexpr int NB = MB > 3 ? 2 : 4;  // accumulators, tables and weights within 32 registers
-  int n = n0;
-  for (; n + NB <= n1; n += NB) tile<NB, MB>(x, K, w, n, y, N);
-  for (; n < n1; ++n) tile<1, MB>(x, K, w, n, y, N);
-}
-
-// 5-32 token rows: 2-row weight tiles met by up to 8 token rows a pass. Beyond 8 rows, blocks of
-// weight rows (in L2) against 8-row slabs of x (in L1 across the block's tiles), as the float32
-// kernel's prefill blocking; the blocks stream from memory once either way.
-constexpr int kPassRows = 8, kBlockRows = 48;
-
-template <int MB>
-void pass(const float* x, int K, const Q4View& w, int n, float* y, int N) {
-  tile<2, MB>(x, K, w, n, y, N);
-}
-
-// Token rows [m, m + up to 8) against the 2-row weight tile at n.
-void slab(const float* x, int rows, int K, const Q4View& w, int n, float* y, int N) {
-  switch (rows) {
-    case 1: return pass<1>(x, K, w, n, y, N);
-    case 2: return pass<2>(x, K, w, n, y, N);
-    case 3: return pass<3>(x, K, w, n, y, N);
-    case 4: return pass<4>(x, K, w, n, y, N);
-    case 5: return pass<5>(x, K, w, n, y, N);
-    case 6: return pass<6>(x, K, w, n, y, N);
-    case 7: return pass<7>(x, K, w, n, y, N);
-    default: return pass<8>(x, K, w, n, y, N);
-  }
-}
-
-void passes(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N) {
-  const int even = n0 + (n1 - n0) / 2 * 2;
-  for (int b0 = n0; b0 < even; b0 += kBlockRows) {
-    const int b1 = std::min(even, b0 + kBlockRows);
-    for (int m = 0; m < M; m += kPassRows)
-      for (int n = b0; n < b1; n += 2)
-        slab(x + (long)m * K, std::min(kPassRows, M - m), K, w, n, y + (long)m * N, N);
-  }
-  if (even < n1)  // an odd last weight row
-    for (int m = 0; m < M; ++m) tile<1, 1>(x + (long)m * K, K, w, even, y + (long)m * N, N);
-}
-
-}  // namespace
-
-void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N) {
-  if (M == 1) return rows<1>(x, K, w, n0, n1, y, N);
-  if (M == 2) return rows<2>(x, K, w, n0, n1, y, N);
-  if (M == 3) return rows<3>(x, K, w, n0, n1, y, N);
-  if (M == 4) return rows<4>(x, K, w, n0, n1, y, N);
-  passes(x, M, K, w, n0, n1, y, N);
-}
-
-namespace {
 // Every value of the matrix (float32, or float16 widened) against its blocks' q * s + b, rounded
 // once (what both tiles compute), bit for bit; q uint8 pairs as MLX packs them (element 2i in
 // byte i's low nibble), sb each group's widened scale and bias. The repacked copy is the tests'

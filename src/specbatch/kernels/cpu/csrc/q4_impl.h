@@ -1,0 +1,99 @@
+// The 4-bit blocks' walk, shared by the tiles of each ISA (q4_avx512.cpp, q4_avx2.cpp, each file
+// compiled for its own; they differ only in how a block's weights come out of its nibbles, `Ops`).
+// Each (token row, weight row) pair sums k in order per vector lane, the float32 kernel's order on
+// that ISA, and reduces the lanes the same way, so a row's bits never depend on the others.
+//
+// Ops: `Vec` (a vector of floats), `zero()`, `sum(Vec)`, `block<NB, MB, CHUNKS>(x, K, k0, p, sb,
+// acc)` (one 64-weight block, or its first half with CHUNKS = 2, met by MB token rows),
+// `kOnePass` (token rows read by 4-row weight tiles in one pass) and `kPassRows` (token rows a
+// pass beyond that).
+//
+// The target's 210 layer matrices against the float16 matrix the blocks replaced (AVX-512,
+// alternating processes, best of 40): 1 / 2 / 4 / 5 / 8 token rows 0.78 / 0.74 / 0.71 / 0.62 /
+// 0.96x the time, 16 / 32 rows 1.05-1.12x / 1.13-1.18x (streaming the float32 matrix itself,
+// 4 bytes a weight: 1.5x at 16-32 rows; 48-row weight blocks dequantized into L2 for the float32
+// tile: 1.45x at 8 rows).
+#pragma once
+
+// (No standard-library templates here: their out-of-line copies would carry this file's ISA flags
+// to every caller the linker gives them to.)
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "gemv.h"
+
+namespace specbatch {
+namespace q4_impl {
+
+// Blocks read ahead of the one in hand, in the nibbles' and the scales' streams (a row or more
+// ahead at the target's widths; a prefetch never faults). The target's 210 layer matrices, one
+// process each, alternating, best of 40: 1 row 4.27-4.35 ms at 8 blocks ahead (nibbles only),
+// 3.68-3.92 at 64 (and at 128), 4.05-4.37 at 16-32; 2 rows -7%, 3 rows -8%, 4 rows -2%.
+constexpr int kAhead = 64;
+
+// Weight rows a block beyond one pass: the block's nibbles stay in L2 while 8-row slabs of x,
+// in L1, meet its tiles in turn (x re-read from L2 for every tile made 32 rows 1.5x the time;
+// 24- and 96-row blocks measured no better).
+constexpr int kBlockRows = 48;
+
+// NB weight rows at once: NB independent accumulator chains per token row (one chain alone
+// waits on each FMA's latency), each still summing its k in order. Whole blocks in the loop,
+// with their chunk count known to the compiler (a runtime count left the weights on the stack:
+// one core, 1 / 4 token rows 0.90 / 0.80x the time).
+template <class Ops, int NB, int MB>
+void tile(const float* x, int K, const Q4View& w, int n, float* y, int N) {
+  using Vec = typename Ops::Vec;
+  const int G = K / 32, blocks = (K + 63) / 64, whole = G / 2;
+  Vec acc[NB][MB];
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) acc[i][j] = Ops::zero();
+  const uint16_t* p[NB];
+  const float* sb[NB];
+  for (int i = 0; i < NB; ++i) p[i] = w.packed + (long)(n + i) * blocks * 16, sb[i] = w.sb + (long)(n + i) * G * 2;
+  for (int b = 0; b < whole; ++b) {
+    for (int i = 0; i < NB; ++i) {  // both streams, a cache line of scales every 4 blocks
+      _mm_prefetch(reinterpret_cast<const char*>(p[i] + kAhead * 16), _MM_HINT_T0);
+      if (b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(sb[i] + kAhead * 4), _MM_HINT_T0);
+    }
+    Ops::template block<NB, MB, 4>(x, K, 64 * b, p, sb, acc);
+    for (int i = 0; i < NB; ++i) p[i] += 16, sb[i] += 4;
+  }
+  if (whole < blocks) Ops::template block<NB, MB, 2>(x, K, 64 * whole, p, sb, acc);  // K / 32 odd
+  for (int i = 0; i < NB; ++i)
+    for (int j = 0; j < MB; ++j) y[(long)j * N + n + i] = Ops::sum(acc[i][j]);
+}
+
+// `rows` (1..MB) token rows against the 2-row weight tile at n.
+template <class Ops, int MB = Ops::kPassRows>
+void slab(const float* x, int rows, int K, const Q4View& w, int n, float* y, int N) {
+  if constexpr (MB > 1) {
+    if (rows < MB) return slab<Ops, MB - 1>(x, rows, K, w, n, y, N);
+  }
+  tile<Ops, 2, MB>(x, K, w, n, y, N);
+}
+
+// Weight rows [n0, n1) for M token rows: 4-row weight tiles in one pass where M is that small
+// (more accumulator chains a token row), else 2-row tiles met by up to kPassRows token rows a
+// pass, blocked as above; an odd last weight row alone.
+template <class Ops, int MB = Ops::kOnePass>
+void gemv(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N) {
+  if constexpr (MB > 1) {
+    if (M < MB) return gemv<Ops, MB - 1>(x, M, K, w, n0, n1, y, N);
+  }
+  if (M == MB)
+    for (; n0 + 4 <= n1; n0 += 4) tile<Ops, 4, MB>(x, K, w, n0, y, N);
+  const int even = n0 + (n1 - n0) / 2 * 2;
+  for (int b0 = n0; b0 < even; b0 += kBlockRows) {
+    const int b1 = b0 + kBlockRows < even ? b0 + kBlockRows : even;
+    for (int m = 0; m < M; m += Ops::kPassRows)
+      for (int n = b0; n < b1; n += 2)
+        slab<Ops>(x + (long)m * K, M - m < Ops::kPassRows ? M - m : Ops::kPassRows, K, w, n, y + (long)m * N, N);
+  }
+  if (even < n1)
+    for (int m = 0; m < M; ++m) tile<Ops, 1, 1>(x + (long)m * K, K, w, even, y + (long)m * N, N);
+}
+
+}  // namespace q4_impl
+}  // namespace specbatch
