@@ -13,7 +13,7 @@ delivery), and a speculative one ``verify_s`` more (accept, rollback, every posi
 
 Where calibrate timed whole rounds (``rounds``: width, k, seconds decoding alone), those
 price the rounds and the model only fills the gaps: its ~5-10% misfit at some widths (the
-draft overlapping the verify's build at width 1, the 4-bit kernel's 1-4 rows) was as large
+draft overlapping the verify's build at width 1, the 4-bit kernel's few-row tiles) was as large
 as the margins the policy decides on (width 2: speculation 6% ahead measured, 2% modelled).
 """
 
