@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 gguf = pytest.importorskip("gguf")
 
 from specbatch.kernels import cpu  # noqa: E402
-from specbatch.kernels.cpu import q4  # noqa: E402
+from specbatch.kernels.cpu import blocks as quantized  # noqa: E402
 from specbatch.kernels import gguf as loader  # noqa: E402
 from specbatch.kernels.models import load  # noqa: E402
 
@@ -103,14 +103,15 @@ def test_each_tensor_type_gives_the_source_logits(source, tmp_path, monkeypatch,
     if tensor_type == "F32":  # Q/K rows un-permuted exactly: the same greedy choice everywhere
         assert (a.argmax(-1) == b.argmax(-1)).all()
     # CPU: float32 activations; a linear whose values are all float16 values (F16 and the
-    # quantized types) is stored half (exact: kernels.cpu.half), the rest float32; 4-bit blocks
-    # the kernels read hold their float32 values (kernels.cpu.q4), read as blocks
+    # quantized types) is stored half (exact: kernels.cpu.half), the rest float32; quantized
+    # blocks the kernels read hold their float32 values (kernels.cpu.blocks), read as blocks
     dtypes = {k: v.dtype for k, v in tree_flatten(got.model.parameters())}
     assert all(d == mx.float32 for k, d in dtypes.items() if "norm" in k)
     assert set(dtypes.values()) <= {mx.float32, mx.float16}
     down = got.model.model.layers[0].mlp.down_proj
-    if tensor_type in ("Q4_0", "Q4_1") and q4.reads_here(cpu.extension()):
-        assert dtypes["model.layers.0.mlp.down_proj.weight"] == mx.float32 and q4.reads_blocks(down)
+    if tensor_type in ("Q8_0", "Q4_0", "Q4_1") and quantized.reads_here(cpu.extension()):
+        assert dtypes["model.layers.0.mlp.down_proj.weight"] == mx.float32 and quantized.reads_blocks(down)
+        assert quantized.reads_blocks(got.model.model.embed_tokens)  # the tied head too
     elif tensor_type in ("F16", "Q8_0", "Q4_0", "Q4_1") and cpu.extension() is not None:
         assert dtypes["model.layers.0.mlp.down_proj.weight"] == mx.float16
     assert got.model.model(mx.array([ids])).dtype == mx.float32

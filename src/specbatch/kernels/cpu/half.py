@@ -3,8 +3,8 @@
 A float32 weight matrix whose every value is a float16 value loses nothing stored as
 float16. F16 checkpoints are such, and so are quantized ones dequantized by mlx-lm (two
 rounded float16 operations, ``q * scale``, then ``+ bias``, before the cast to float32): the
-embedded target's 8-bit embedding, and its 4-bit linears where the block kernel does not run
-(``q4``: where it does, they hold float32 values and are read as their blocks).
+embedded target's 4-bit linears and 8-bit embedding where the block kernel does not run
+(``blocks``: where it does, they hold float32 values and are read as their blocks).
 The small-M kernels widen float16 weights to float32 as they read them (F16C's conversion is
 exact) and then do the same float32 arithmetic in the same order, so every sum, and every
 row's bits, are the float32 matrix's, while a decode step, which streams every weight once,

@@ -21,7 +21,7 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import extension, fused, half, linear, prefill_on_kernel, rms_norm, rope, rope_positions
+from . import blocks, extension, fused, half, linear, prefill_on_kernel, rms_norm, rope, rope_positions
 
 _inside = threading.local()  # set while a swapped attention layer runs on this thread
 
@@ -54,8 +54,9 @@ class FastEmbedding(nn.Embedding):
         return half.widened(self["weight"][x])  # the rows looked up, widened: float32 activations
 
     def rows(self, ids: mx.array) -> mx.array:
-        """The rows for ``ids`` as stored (float16 where half-stored), for a linear to take."""
-        return self["weight"][ids]
+        """The rows for ``ids`` as stored (float16 where half-stored), for a linear to take: read
+        as their quantized blocks where the whole matrix is (``blocks.rows``)."""
+        return blocks.rows(extension(), self, ids)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return linear(x, self["weight"])

@@ -2,12 +2,12 @@
 against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
 
 - the weight-streaming bound: the bytes a width-1 step reads of every weight matrix (the tied
-  head included; float16 where half-stored, ``kernels.cpu.half``, its 4-bit blocks where decode
-  rows read those, ``kernels.cpu.q4``) over the read bandwidth a one-row sgemv probe reaches on
+  head included; float16 where half-stored, ``kernels.cpu.half``, its quantized blocks where
+  decode rows read those, ``kernels.cpu.blocks``) over the read bandwidth a one-row sgemv probe reaches on
   a float32 stack of the same shapes;
 - the compute bound: every weight times every token row (two FLOPs each) over the float32
   FMA peak all kernel threads reach at once (``fma_peak_gflops``); a shape's roofline is the
-  larger of its bytes (the 4-bit blocks up to ``q4_max_rows`` token rows, the stored matrices
+  larger of its bytes (the quantized blocks up to ``blocks_max_rows`` token rows, the stored matrices
   beyond) over the bandwidth and its FLOPs over that peak;
 - forward of ``rows x positions`` tokens over a 128-token context (decode steps at widths
   1-16, verifies of 2-16 positions at width 1), kernels on and off (off: MLX's ops on the
@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...kernels import cpu
-from ...kernels.cpu.q4 import decode_bytes, reads_blocks
+from ...kernels.cpu.blocks import decode_bytes, reads_blocks
 from ...runtime.params import SamplingParams
 
 CONTEXT = 128
@@ -46,7 +46,7 @@ def _matrices(model) -> list:
 
 def weight_bytes(model) -> int:
     """What a width-1 decode step must read: every weight matrix's bytes as stored, or its
-    4-bit blocks' where decode rows read those (``kernels.cpu.q4``)."""
+    quantized blocks' where decode rows read those (``kernels.cpu.blocks``)."""
     return sum(decode_bytes(m) for m in _modules(model))
 
 
@@ -116,7 +116,7 @@ def suite_kernels(ctx) -> dict:
     repeats = max(15, 5 * ctx.repeats)  # ~1 s a repeat; 5-9 left 3 positions above 4 on a noisy VM
     ext = cpu.extension()
     peak = ext.fma_peak_gflops() if ext is not None else 0.0
-    q4_rows = ext.q4_max_rows if ext is not None else 0
+    block_rows = ext.blocks_max_rows if ext is not None else 0
     stored = sum(w.nbytes for w in _matrices(model))
     weights = sum(w.size for w in _matrices(model))
     times = forward_times(model, SHAPES, repeats, baseline=ctx.mlx_lm_model)
@@ -124,7 +124,7 @@ def suite_kernels(ctx) -> dict:
     rows = []
     for r, n in SHAPES:
         on, off = times[(r, n, True)], times[(r, n, False)]
-        read_ms = (total if r * n <= q4_rows else stored) / probe / 1e6
+        read_ms = (total if r * n <= block_rows else stored) / probe / 1e6
         compute_ms = 2 * weights * r * n / peak / 1e6 if peak else 0.0
         roofline = max(read_ms, compute_ms)
         rows.append({"rows": r, "positions": n, "kernels_ms": on, "mlx_ops_ms": off, "speedup": off / on,
@@ -139,7 +139,7 @@ def suite_kernels(ctx) -> dict:
     return {"kernels": {"active": state.active, "isa": state.isa, "why": state.why},
             "weight_bytes": total, "weight_bytes_stored": stored,
             "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
-            "q4_matrices": sum(1 for m in _modules(model) if reads_blocks(m)),
+            "block_matrices": sum(1 for m in _modules(model) if reads_blocks(m)),
             "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "fma_peak_gflops": peak, "rows": rows}
 
 

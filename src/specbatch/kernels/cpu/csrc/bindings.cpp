@@ -15,7 +15,7 @@
 #include "paged_write.h"
 #include "pool.h"
 #include "projections.h"
-#include "q4.h"
+#include "blocks.h"
 #include "rope.h"
 #include "swiglu.h"
 
@@ -69,12 +69,16 @@ NB_MODULE(_ext, m) {
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
   m.def("pool_cap", &specbatch::Pool::cap, nb::arg("threads"),
         "split the kernels evaluated from now on over at most `threads` threads (0: all)");
-  m.def("q4_register", &specbatch::q4_register, nb::arg("weight"), nb::arg("q"), nb::arg("scales"), nb::arg("biases"),
-        "read a matrix's affine 4-bit blocks for up to max_rows token rows, where they rebuild its values bit "
-        "for bit (q * scale + bias in float32); the bytes a decode row then reads, 0 where refused");
-  m.def("q4_forget", &specbatch::q4_forget, nb::arg("weight"), "forget the 4-bit blocks registered for `weight`");
-  m.def("q4_clear", &specbatch::q4_clear, "forget every registered 4-bit block set");
-  m.def("q4_count", &specbatch::q4_count, "how many matrices read their 4-bit blocks");
+  m.def("blocks_register", &specbatch::blocks_register, nb::arg("weight"), nb::arg("q"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("bits"),
+        "read a matrix's affine 4- or 8-bit blocks for up to max_rows token rows, where they rebuild its values "
+        "bit for bit (q * scale + bias in float32); the bytes a decode row then reads, 0 where refused");
+  m.def("blocks_register_rows", &specbatch::blocks_register_rows, nb::arg("rows"), nb::arg("weight"), nb::arg("ids"),
+        "read `rows` (= weight[ids]) as those rows of `weight`'s registered blocks; the bytes a decode row then "
+        "reads, 0 where refused");
+  m.def("blocks_forget", &specbatch::blocks_forget, nb::arg("weight"), "forget the blocks registered for `weight`");
+  m.def("blocks_clear", &specbatch::blocks_clear, "forget every registered block set");
+  m.def("blocks_count", &specbatch::blocks_count, "how many matrices read their blocks");
   m.def("fma_peak_gflops", &specbatch::fma_peak_gflops, nb::arg("iters") = 20000000,
         "float32 GFLOPS of independent FMA chains on every pool thread at once (the compute roofline)");
   m.def("half_weights", &specbatch::half_weights_supported,
@@ -89,5 +93,5 @@ NB_MODULE(_ext, m) {
   m.attr("built_for_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) +
                             "." + std::to_string(MLX_VERSION_PATCH);
   m.attr("max_rows") = specbatch::kMaxRows;
-  m.attr("q4_max_rows") = specbatch::kMaxRows;  // token rows that read 4-bit blocks; more read the stored matrix
+  m.attr("blocks_max_rows") = specbatch::kMaxRows;  // token rows that read blocks; more read the stored matrix
 }

@@ -22,17 +22,20 @@ void gemv_avx2(const float* x, int M, int K, const uint16_t* w, int n0, int n1, 
 void gemv_avx512(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N);
 void gemv_avx512(const float* x, int M, int K, const uint16_t* w, int n0, int n1, float* y, int N);
 
-// A matrix's registered 4-bit blocks as the tiles read them (q4.h): nibbles packed a 64-weight
-// block at a time (word l of a block holds, in its nibble c, weight 16c + l), and each group's
-// scale and bias widened, side by side.
-struct Q4View {
-  const uint16_t* packed = nullptr;
+// A matrix's registered blocks as the tiles read them (blocks.h): 64 weights a block, each group of
+// 32 with its scale and bias widened, side by side. 4 bits: a block is 16 words, word l holding in
+// its nibble c weight 16c + l; 8 bits: a block is its 64 bytes in order.
+struct BlockView {
+  const uint8_t* packed = nullptr;
   const float* sb = nullptr;
+  int bits = 0;
 };
 
-// The same y for M <= 32 token rows read from 4-bit blocks (q4_avx512.cpp, q4_avx2.cpp): the same
-// sums, in the same order, as gemv_avx512 (gemv_avx2) over the blocks' float32 values.
-void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N);
-void gemv_q4_avx2(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N);
+// The same y for M <= 32 token rows read from 4-bit (q4_*.cpp) or 8-bit (q8_*.cpp) blocks: the
+// same sums, in the same order, as gemv_avx512 (gemv_avx2) over the blocks' float32 values.
+void gemv_q4_avx512(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N);
+void gemv_q4_avx2(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N);
+void gemv_q8_avx512(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N);
+void gemv_q8_avx2(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N);
 
 }  // namespace specbatch

@@ -50,10 +50,10 @@ Weights weights_of(const mx::array& w, WeightCopy& copy) {
   // registered blocks are found by the matrix's own buffer (a strided view's copy has none)
   if (w.dtype() != mx::float16) {
     const float* data = row_major(w, copy.f);
-    return {data, false, data == w.data<float>() ? q4_lookup(data) : Q4View{}};
+    return {data, false, data == w.data<float>() ? blocks_lookup(data) : BlockView{}};
   }
   const uint16_t* data = row_major(w, copy.h);
-  return {data, true, data == w.data<uint16_t>() ? q4_lookup(data) : Q4View{}};
+  return {data, true, data == w.data<uint16_t>() ? blocks_lookup(data) : BlockView{}};
 }
 
 mx::array small_linear(const mx::array& x, const mx::array& w) {
@@ -94,8 +94,10 @@ void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) 
   const bool wide = detect_isa() == Isa::avx512;
   auto kernel = [wide](const float* x, int M, int K, const Weights& w, int a, int b, float* y, int ldy) {
     // registered blocks for every small-M row count: the stored float32 matrix is 4 bytes a weight
-    if (w.q4.packed != nullptr && M <= kMaxRows)
-      return wide ? gemv_q4_avx512(x, M, K, w.q4, a, b, y, ldy) : gemv_q4_avx2(x, M, K, w.q4, a, b, y, ldy);
+    if (w.blocks.bits == 4 && M <= kMaxRows)
+      return wide ? gemv_q4_avx512(x, M, K, w.blocks, a, b, y, ldy) : gemv_q4_avx2(x, M, K, w.blocks, a, b, y, ldy);
+    if (w.blocks.bits == 8 && M <= kMaxRows)
+      return wide ? gemv_q8_avx512(x, M, K, w.blocks, a, b, y, ldy) : gemv_q8_avx2(x, M, K, w.blocks, a, b, y, ldy);
     if (w.half) {
       const auto* h = static_cast<const uint16_t*>(w.data);
       return wide ? gemv_avx512(x, M, K, h, a, b, y, ldy) : gemv_avx2(x, M, K, h, a, b, y, ldy);

@@ -7,7 +7,7 @@
 
 #include "mlx/array.h"
 #include "mlx/primitives.h"
-#include "q4.h"
+#include "blocks.h"
 
 namespace specbatch {
 
@@ -20,7 +20,7 @@ constexpr int kMaxRows = 32;
 struct Weights {
   const void* data = nullptr;
   bool half = false;
-  Q4View q4;  // the matrix's registered 4-bit blocks, read by up to kMaxRows token rows
+  BlockView blocks;  // the matrix's registered 4- or 8-bit blocks, read by up to kMaxRows token rows
 };
 
 // Where a strided weight's row-major copy lives while a kernel runs.

@@ -1,10 +1,10 @@
-// The 4-bit blocks' tile on AVX2 (compiled with -mavx2 -mfma; the walk: q4_impl.h). No 16-lane
+// The 4-bit blocks' tile on AVX2 (compiled with -mavx2 -mfma; the walk: blocks_impl.h). No 16-lane
 // table lookup here, so each 8-weight vector is computed, q * scale + bias in one FMA: the value
 // the AVX-512 table holds. Lane l sums k = l (mod 8) in k order and the lanes end in
 // gemv_avx2's sum (reduce_avx2.h), so every row's bits are the float32 matrix's on this path too.
 #include <immintrin.h>
 
-#include "q4_impl.h"
+#include "blocks_impl.h"
 #include "reduce_avx2.h"
 
 namespace specbatch {
@@ -14,6 +14,7 @@ struct Avx2 {
   using Vec = __m256;
   // 4 rows x 2 weight rows: 8 accumulators, 2 weight vectors and x within the 16 registers (1 x 8
   // and 2 x 6 tiles measured no better)
+  static constexpr int kBlockBytes = 32;  // 64 nibbles
   static constexpr int kOnePass = 1, kPassRows = 4;
 
   static Vec zero() { return _mm256_setzero_ps(); }
@@ -22,15 +23,15 @@ struct Avx2 {
   // Weights 16c + 8h + 0..7 of the block at p (word l holds nibble c of weight 16c + l) as
   // float32: q * s + b, rounded once.
   template <int C, int H>
-  __attribute__((always_inline)) static Vec weights(const uint16_t* p, const float* sb) {
-    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * H)));
+  __attribute__((always_inline)) static Vec weights(const uint8_t* p, const float* sb) {
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * H)));
     const __m256i q = _mm256_and_si256(_mm256_srli_epi32(words, 4 * C), _mm256_set1_epi32(15));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_broadcast_ss(sb), _mm256_broadcast_ss(sb + 1));
   }
 
   // Half chunk (C, H) of one block for NB weight rows and MB token rows.
   template <int NB, int MB, int C, int H>
-  __attribute__((always_inline)) static void half_chunk(const float* x, int K, int k0, const uint16_t* const (&p)[NB],
+  __attribute__((always_inline)) static void half_chunk(const float* x, int K, int k0, const uint8_t* const (&p)[NB],
                                                         const float* const (&sb)[NB], Vec (&acc)[NB][MB]) {
     Vec wv[NB];
     for (int i = 0; i < NB; ++i) wv[i] = weights<C, H>(p[i], sb[i] + 2 * (C / 2));
@@ -42,7 +43,7 @@ struct Avx2 {
   }
 
   template <int NB, int MB, int CHUNKS>
-  __attribute__((always_inline)) static void block(const float* x, int K, int k0, const uint16_t* const (&p)[NB],
+  __attribute__((always_inline)) static void block(const float* x, int K, int k0, const uint8_t* const (&p)[NB],
                                                    const float* const (&sb)[NB], Vec (&acc)[NB][MB]) {
     half_chunk<NB, MB, 0, 0>(x, K, k0, p, sb, acc);
     half_chunk<NB, MB, 0, 1>(x, K, k0, p, sb, acc);
@@ -59,8 +60,8 @@ struct Avx2 {
 
 }  // namespace
 
-void gemv_q4_avx2(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N) {
-  q4_impl::gemv<Avx2>(x, M, K, w, n0, n1, y, N);
+void gemv_q4_avx2(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
+  blocks_impl::gemv<Avx2>(x, M, K, w, n0, n1, y, N);
 }
 
 }  // namespace specbatch

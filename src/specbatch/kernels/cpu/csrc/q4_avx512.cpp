@@ -1,15 +1,16 @@
-// The 4-bit blocks' tile on AVX-512 (compiled with -mavx512f -mavx512bw; the walk: q4_impl.h).
+// The 4-bit blocks' tile on AVX-512 (compiled with -mavx512f -mavx512bw; the walk: blocks_impl.h).
 // Each group's 16 possible values are one FMA, q * scale + bias for q = 0..15 (the float32 values
 // the registry checked), and a chunk of 16 weights is one permute of that table.
 #include <immintrin.h>
 
-#include "q4_impl.h"
+#include "blocks_impl.h"
 
 namespace specbatch {
 namespace {
 
 struct Avx512 {
   using Vec = __m512;
+  static constexpr int kBlockBytes = 32;  // 64 nibbles
   static constexpr int kOnePass = 3, kPassRows = 8;  // 8 rows x 2 weight rows: 16 of 32 registers
 
   static Vec zero() { return _mm512_setzero_ps(); }
@@ -32,7 +33,7 @@ struct Avx512 {
   // The 4 chunks (or 2) of one block: each chunk's NB weight vectors looked up once and met by
   // every token row.
   template <int NB, int MB, int CHUNKS>
-  __attribute__((always_inline)) static void block(const float* x, int K, int k0, const uint16_t* const (&p)[NB],
+  __attribute__((always_inline)) static void block(const float* x, int K, int k0, const uint8_t* const (&p)[NB],
                                                    const float* const (&sb)[NB], Vec (&acc)[NB][MB]) {
     __m512i idx[NB];
     Vec t[NB][2];
@@ -57,8 +58,8 @@ struct Avx512 {
 
 }  // namespace
 
-void gemv_q4_avx512(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N) {
-  q4_impl::gemv<Avx512>(x, M, K, w, n0, n1, y, N);
+void gemv_q4_avx512(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
+  blocks_impl::gemv<Avx512>(x, M, K, w, n0, n1, y, N);
 }
 
 }  // namespace specbatch

@@ -1,12 +1,13 @@
-// The 4-bit blocks' walk, shared by the tiles of each ISA (q4_avx512.cpp, q4_avx2.cpp, each file
-// compiled for its own; they differ only in how a block's weights come out of its nibbles, `Ops`).
+// The blocks' walk, shared by the tiles of each width and ISA (q4_avx512.cpp, q4_avx2.cpp,
+// q8_avx512.cpp, q8_avx2.cpp, each file compiled for its own; they differ only in how a block's
+// weights come out of its bytes, `Ops`).
 // Each (token row, weight row) pair sums k in order per vector lane, the float32 kernel's order on
 // that ISA, and reduces the lanes the same way, so a row's bits never depend on the others.
 //
 // Ops: `Vec` (a vector of floats), `zero()`, `sum(Vec)`, `block<NB, MB, CHUNKS>(x, K, k0, p, sb,
 // acc)` (one 64-weight block, or its first half with CHUNKS = 2, met by MB token rows),
-// `kOnePass` (token rows read by 4-row weight tiles in one pass) and `kPassRows` (token rows a
-// pass beyond that).
+// `kBlockBytes` (a packed block's size), `kOnePass` (token rows read by 4-row weight tiles in one
+// pass) and `kPassRows` (token rows a pass beyond that).
 //
 // The target's 210 layer matrices against the float16 matrix the blocks replaced (AVX-512,
 // alternating processes, best of 40): 1 / 2 / 4 / 5 / 8 token rows 0.78 / 0.74 / 0.71 / 0.62 /
@@ -25,9 +26,9 @@
 #include "gemv.h"
 
 namespace specbatch {
-namespace q4_impl {
+namespace blocks_impl {
 
-// Blocks read ahead of the one in hand, in the nibbles' and the scales' streams (a row or more
+// Blocks read ahead of the one in hand, in the weights' and the scales' streams (a row or more
 // ahead at the target's widths; a prefetch never faults). The target's 210 layer matrices, one
 // process each, alternating, best of 40: 1 row 4.27-4.35 ms at 8 blocks ahead (nibbles only),
 // 3.68-3.92 at 64 (and at 128), 4.05-4.37 at 16-32; 2 rows -7%, 3 rows -8%, 4 rows -2%.
@@ -43,22 +44,23 @@ constexpr int kBlockRows = 48;
 // with their chunk count known to the compiler (a runtime count left the weights on the stack:
 // one core, 1 / 4 token rows 0.90 / 0.80x the time).
 template <class Ops, int NB, int MB>
-void tile(const float* x, int K, const Q4View& w, int n, float* y, int N) {
+void tile(const float* x, int K, const BlockView& w, int n, float* y, int N) {
   using Vec = typename Ops::Vec;
+  constexpr int B = Ops::kBlockBytes;
   const int G = K / 32, blocks = (K + 63) / 64, whole = G / 2;
   Vec acc[NB][MB];
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = Ops::zero();
-  const uint16_t* p[NB];
+  const uint8_t* p[NB];
   const float* sb[NB];
-  for (int i = 0; i < NB; ++i) p[i] = w.packed + (long)(n + i) * blocks * 16, sb[i] = w.sb + (long)(n + i) * G * 2;
+  for (int i = 0; i < NB; ++i) p[i] = w.packed + (long)(n + i) * blocks * B, sb[i] = w.sb + (long)(n + i) * G * 2;
   for (int b = 0; b < whole; ++b) {
     for (int i = 0; i < NB; ++i) {  // both streams, a cache line of scales every 4 blocks
-      _mm_prefetch(reinterpret_cast<const char*>(p[i] + kAhead * 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p[i] + kAhead * B), _MM_HINT_T0);
       if (b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(sb[i] + kAhead * 4), _MM_HINT_T0);
     }
     Ops::template block<NB, MB, 4>(x, K, 64 * b, p, sb, acc);
-    for (int i = 0; i < NB; ++i) p[i] += 16, sb[i] += 4;
+    for (int i = 0; i < NB; ++i) p[i] += B, sb[i] += 4;
   }
   if (whole < blocks) Ops::template block<NB, MB, 2>(x, K, 64 * whole, p, sb, acc);  // K / 32 odd
   for (int i = 0; i < NB; ++i)
@@ -67,7 +69,7 @@ void tile(const float* x, int K, const Q4View& w, int n, float* y, int N) {
 
 // `rows` (1..MB) token rows against the 2-row weight tile at n.
 template <class Ops, int MB = Ops::kPassRows>
-void slab(const float* x, int rows, int K, const Q4View& w, int n, float* y, int N) {
+void slab(const float* x, int rows, int K, const BlockView& w, int n, float* y, int N) {
   if constexpr (MB > 1) {
     if (rows < MB) return slab<Ops, MB - 1>(x, rows, K, w, n, y, N);
   }
@@ -78,7 +80,7 @@ void slab(const float* x, int rows, int K, const Q4View& w, int n, float* y, int
 // (more accumulator chains a token row), else 2-row tiles met by up to kPassRows token rows a
 // pass, blocked as above; an odd last weight row alone.
 template <class Ops, int MB = Ops::kOnePass>
-void gemv(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* y, int N) {
+void gemv(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
   if constexpr (MB > 1) {
     if (M < MB) return gemv<Ops, MB - 1>(x, M, K, w, n0, n1, y, N);
   }
@@ -95,5 +97,5 @@ void gemv(const float* x, int M, int K, const Q4View& w, int n0, int n1, float* 
     for (int m = 0; m < M; ++m) tile<Ops, 1, 1>(x + (long)m * K, K, w, even, y + (long)m * N, N);
 }
 
-}  // namespace q4_impl
+}  // namespace blocks_impl
 }  // namespace specbatch

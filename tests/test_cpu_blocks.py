@@ -1,0 +1,241 @@
+"""Quantized blocks for decode and verify rows (kernels.cpu.blocks): a matrix holding its 4- or
+8-bit blocks' float32 values (q * scale + bias, one rounding) read as those blocks gives the
+float32 path's bits at every row count, in the kernel, the fused ops, a reduced head's gathered
+rows, a whole model and its streams."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specbatch.kernels import cpu
+from specbatch.kernels.cpu import blocks as quantized
+from specbatch.kernels.cpu.modules import FastEmbedding, FastLinear
+
+from helpers import run_plain, run_scalar
+
+ext = cpu.extension()
+needs_blocks = pytest.mark.skipif(not quantized.reads_here(ext), reason="blocks are read where the kernels run")
+LAYER_MATRICES = 2 * 7  # the tiny model's two layers' q, k, v, o, gate, up and down (4-bit)
+
+
+def _blocks(n: int, k: int, seed: int, bits: int = 4):
+    """A float32 matrix holding affine blocks' values (float16 scales and biases, widened before
+    the arithmetic, as MLX's quantized_matmul takes them), and those blocks."""
+    w = mx.random.normal((n, k), key=mx.random.key(seed)).astype(mx.float16)
+    qw, scales, biases = mx.quantize(w, group_size=32, bits=bits)
+    values = mx.dequantize(qw, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32, bits=bits)
+    return values, qw, scales, biases
+
+
+@needs_blocks
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 150), groups=st.integers(1, 20), seed=st.integers(0, 2**16), bits=st.sampled_from((4, 8)))
+def test_blocks_give_the_float32_paths_bits_at_every_row_count(n, groups, seed, bits):
+    w, qw, scales, biases = _blocks(n, 32 * groups, seed, bits)
+    x = mx.random.normal((33, 32 * groups), key=mx.random.key(seed + 1))
+    counts = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)  # 1-4: one pass; 5-32: passes of up to 8; 33: the matrix
+    before = [ext.small_linear(x[:m], w) for m in counts]
+    mx.eval(before)
+    assert ext.blocks_register(w, qw, scales, biases, bits)
+    try:
+        for m, want in zip(counts, before):
+            assert mx.array_equal(ext.small_linear(x[:m], w), want).item(), m
+    finally:
+        ext.blocks_clear()
+
+
+@needs_blocks
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(bits):
+    w, qw, scales, biases = _blocks(70, 96, 5, bits)
+    assert ext.blocks_register(w, qw, scales, biases, bits)
+    try:
+        x = mx.random.normal((32, 96), key=mx.random.key(2))
+        alone = mx.concatenate([ext.small_linear(x[i:i + 1], w) for i in range(32)])
+        for m in (2, 4, 6, 8, 13, 32):
+            assert mx.array_equal(ext.small_linear(x[:m], w), alone[:m]).item(), m
+    finally:
+        ext.blocks_clear()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_values_are_what_mlxs_quantized_matmul_multiplies(bits):
+    w, qw, scales, biases = _blocks(48, 128, 9, bits)
+    x = mx.random.normal((3, 128), key=mx.random.key(4))
+    ours = x @ w.T
+    theirs = mx.quantized_matmul(x, qw, scales, biases, transpose=True, group_size=32, bits=bits)
+    assert mx.allclose(ours, theirs, rtol=1e-6, atol=1e-5).item()
+    rounded = mx.dequantize(qw, scales, biases, group_size=32, bits=bits)  # float16 arithmetic: other values
+    assert not mx.array_equal(rounded.astype(mx.float32), w).item()
+
+
+@needs_blocks
+def test_the_fused_ops_read_blocks_with_the_same_bits():
+    keys = mx.random.split(mx.random.key(7), 4)
+    mats = {name: _blocks(rows, cols, i) for i, (name, rows, cols) in
+            enumerate((("q", 64, 64), ("k", 32, 64), ("v", 32, 64), ("g", 96, 64), ("u", 96, 64), ("d", 64, 96)))}
+    x, r = mx.random.normal((1, 6, 64), key=keys[0]), mx.random.normal((1, 6, 64), key=keys[1])
+    norm = mx.random.normal((64,), key=keys[2])
+    inv, pos = mx.exp(-mx.arange(8, dtype=mx.float32)), mx.array([9], dtype=mx.int32)
+    w = {name: parts[0] for name, parts in mats.items()}
+
+    def run(rows):
+        xs, rs = x[:, :rows], r[:, :rows]
+        out = [*ext.qkv_rope(xs, w["q"], w["k"], w["v"], [], pos, inv, 4, 2, 16, False, 1.0),
+               *ext.gate_up(xs, w["g"], w["u"]), ext.mlp_block(xs, rs, norm, 1e-5, w["g"], w["u"], w["d"])]
+        mx.eval(out)
+        return out
+    before = {rows: run(rows) for rows in (1, 2, 6)}
+    for parts in mats.values():
+        assert ext.blocks_register(*parts, 4)
+    try:
+        for rows, want in before.items():
+            assert all(mx.array_equal(a, b).item() for a, b in zip(run(rows), want)), rows
+    finally:
+        ext.blocks_clear()
+
+
+@needs_blocks
+@pytest.mark.parametrize("bits", [4, 8])
+def test_blocks_that_do_not_rebuild_the_matrix_are_refused(bits):
+    w, qw, scales, biases = _blocks(40, 64, 3, bits)
+    assert not ext.blocks_register(w * 1.5, qw, scales, biases, bits)
+    assert not ext.blocks_register(w, qw, scales * 2, biases, bits)
+    assert not ext.blocks_register(w.astype(mx.float16), qw, scales, biases, bits)  # rounded: not the blocks' values
+    assert not ext.blocks_register(w[:, :32], qw, scales, biases, bits)  # shapes that do not match
+    assert not ext.blocks_register(w, qw, scales.astype(mx.float32), biases, bits)  # blocks as a checkpoint ships them
+    assert not ext.blocks_register(w, qw, scales, biases, 12 - bits)  # read at the other width
+    assert not ext.blocks_register(w, qw, scales, biases, 2)  # widths without a tile
+    assert ext.blocks_count() == 0
+
+
+@needs_blocks
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gathered_rows_read_their_blocks_with_the_same_bits(bits):
+    """A reduced-vocabulary head's rows (``weight[ids]``) read as those rows of the blocks."""
+    w, qw, scales, biases = _blocks(300, 96, 11, bits)
+    ids = mx.array([299, 0, 17, 17, 150, 3], dtype=mx.int32)
+    rows = w[ids]
+    x = mx.random.normal((9, 96), key=mx.random.key(6))
+    before = [ext.small_linear(x[:m], rows) for m in (1, 4, 9)]
+    mx.eval(before)
+    assert not ext.blocks_register_rows(rows, w, ids)  # the whole matrix reads no blocks yet
+    assert ext.blocks_register(w, qw, scales, biases, bits)
+    try:
+        assert not ext.blocks_register_rows(rows * 2, w, ids)  # not its rows
+        assert not ext.blocks_register_rows(rows, w, ids[:-1])
+        assert ext.blocks_register_rows(rows, w, ids)
+        assert ext.blocks_count() == 2
+        for m, want in zip((1, 4, 9), before):
+            assert mx.array_equal(ext.small_linear(x[:m], rows), want).item(), m
+    finally:
+        ext.blocks_clear()
+
+
+def _unregistered(model: nn.Module) -> nn.Module:
+    """``model`` with its blocks forgotten: its float32 matrices read as they are stored."""
+    for _, m in model.named_modules():
+        if quantized.reads_blocks(m):
+            ext.blocks_forget(m["weight"])
+            del m._sb_q_bytes
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny model shipped as blocks (4-bit linears, an 8-bit tied embedding), loaded twice: one
+    reads the blocks, the other its float32 matrices (the same values)."""
+    from specbatch.kernels.models import load
+    from specbatch.testing.tiny import build_tiny_model
+    folder = build_tiny_model(tmp_path_factory.mktemp("blocks") / "llama", "llama", seed=6, quantized=True)
+    ext and ext.blocks_clear()
+    blocks = load(folder)
+    assert ext is None or ext.blocks_count() == LAYER_MATRICES + 1  # and the embedding
+    plain = load(folder)
+    _unregistered(plain.model)
+    yield plain, blocks
+    ext and ext.blocks_clear()
+
+
+@needs_blocks
+def test_a_model_reading_blocks_gives_its_float32_matrices_logits_and_streams(pair, tiny_draft):
+    plain, blocks = pair
+    assert ext.blocks_count() == LAYER_MATRICES + 1
+    assert all(m.weight.dtype == mx.float32 for _, m in blocks.model.named_modules()
+               if isinstance(m, (FastLinear, FastEmbedding)))
+    for rows, positions in ((1, 1), (1, 2), (1, 3), (1, 4), (3, 1), (2, 1), (4, 1), (1, 5), (8, 2), (1, 40)):
+        tokens = mx.random.randint(0, 200, (rows, positions), key=mx.random.key(rows * 100 + positions))
+        assert mx.array_equal(plain.model(tokens), blocks.model(tokens)).item(), (rows, positions)
+    from specbatch.tools.bench import kernels
+    assert kernels.weight_bytes(blocks.model) < kernels.weight_bytes(plain.model) / 2  # what a width-1 step reads
+    for params in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 4}):
+        assert run_plain(blocks, "blocks", max_tokens=20, **params) == run_plain(plain, "blocks", max_tokens=20, **params)
+        assert run_scalar(blocks, tiny_draft, "blocks", k=2, max_tokens=20, **params)[0] == \
+            run_scalar(plain, tiny_draft, "blocks", k=2, max_tokens=20, **params)[0]
+
+
+@needs_blocks
+def test_a_reduced_heads_rows_read_the_embeddings_blocks(pair):
+    """An MTP head's kept vocabulary (``head_rows``) streams the tied head's 8-bit blocks too."""
+    plain, blocks = pair
+    ids = mx.array([5, 400, 7, 511, 5], dtype=mx.int32)
+    before = ext.blocks_count()
+    rows = blocks.model.model.embed_tokens.rows(ids)
+    assert blocks.model.model.embed_tokens.rows(ids) is rows and ext.blocks_count() == before + 1  # once per ids
+    stored = plain.model.model.embed_tokens.rows(ids)  # the same values, read as stored
+    assert ext.blocks_count() == before + 1
+    h = mx.random.normal((6, 64), key=mx.random.key(12))
+    for m in (1, 2, 6):
+        assert mx.array_equal(ext.small_linear(h[:m], rows), ext.small_linear(h[:m], stored)).item(), m
+
+
+def test_without_the_block_kernel_mlx_lms_dequantization_stands(tmp_path, monkeypatch):
+    """``SPECBATCH_BLOCKS=0`` (or a CPU without the kernels): the linears and the embedding hold
+    mlx-lm's float16-arithmetic values, half-stored where the kernels widen float16."""
+    from specbatch.kernels.cpu import half
+    from specbatch.kernels.models import load
+    from specbatch.testing.tiny import build_tiny_model
+    monkeypatch.setenv(quantized.ENV, "0")
+    loaded = load(build_tiny_model(tmp_path / "m", "llama", seed=6, quantized=True))
+    linears = [m for _, m in loaded.model.named_modules() if isinstance(m, (FastLinear, FastEmbedding))]
+    assert len(linears) == LAYER_MATRICES + 1 and not any(quantized.reads_blocks(m) for m in linears)
+    if half.supported(ext):
+        assert all(m.weight.dtype == mx.float16 for m in linears)
+
+
+def test_the_linears_and_the_embedding_are_collected_at_their_widths(tmp_path):
+    from mlx_lm.utils import load as mlx_load
+
+    from specbatch.testing.tiny import build_tiny_model
+    model, _ = mlx_load(str(build_tiny_model(tmp_path / "m", "llama", seed=1, quantized=True)))
+    found = quantized.blocks_of(model)
+    assert {name: b.bits for name, b in found.items() if not name.endswith("proj")} == {"model.embed_tokens": 8}
+    assert sum(b.bits == 4 for b in found.values()) == LAYER_MATRICES
+    assert all(b.scales.dtype == mx.float16 for b in found.values())
+    model.model.layers[0].mlp.up_proj.scales = model.model.layers[0].mlp.up_proj.scales.astype(mx.float32)
+    assert len(quantized.blocks_of(model)) == LAYER_MATRICES  # another layout: left to mlx-lm
+
+
+@needs_blocks
+def test_a_models_blocks_are_released_with_it(tmp_path):
+    import gc
+
+    from specbatch.kernels.models import load
+    from specbatch.testing.tiny import build_tiny_model
+    before = ext.blocks_count()
+    loaded = load(build_tiny_model(tmp_path / "gone", "llama", seed=8, quantized=True))
+    assert ext.blocks_count() == before + LAYER_MATRICES + 1
+    del loaded
+    gc.collect()
+    assert ext.blocks_count() == before
+
+
+@needs_blocks
+def test_the_avx2_tile_passes_the_same_checks():
+    """The 8-lane tile (each value one FMA, no table) gives the AVX2 float32 path's bits."""
+    from helpers import assert_passes_on_avx2
+    assert_passes_on_avx2(__file__)
