@@ -68,6 +68,7 @@ class ModelRunner:
         self.hidden: mx.array | None = None
         self.layer_hidden: mx.array | None = None  # [B, N, len(kept) * D] where keep_layers asked
         self.kept: tuple[int, ...] = ()
+        self._stack = None  # cpu.stack.Stack, False where the model has none, None: not looked for
         # llama / qwen / mistral: model.model gives normed hidden states, then a plain head
         self._split = getattr(model, "model_type", None) in SPLIT_TYPES and hasattr(model, "model")
 
@@ -79,11 +80,24 @@ class ModelRunner:
         for i in self.kept:
             tap(self.model.layers[i], i)
 
+    def _fast_stack(self):
+        """The decoder stack on the fused ops with its checks made once (``cpu.stack``), or
+        None; looked for once, the first time the kernels are on."""
+        from .cpu import stack
+        if self._stack is None and stack.kernels_on():
+            self._stack = stack.Stack.of(self.model) or False
+        return self._stack or None
+
     def _run(self, tokens: mx.array, cache: list) -> mx.array:
         """The final hidden states [B, N, D]; the kept layers' outputs as they pass."""
-        hidden = self.model.model(tokens, cache=cache)  # after the final norm
-        if self.kept:
+        plan = self._fast_stack()
+        fast = plan(tokens, cache, self.kept) if plan is not None else None
+        if fast is None:
+            hidden = self.model.model(tokens, cache=cache)  # after the final norm
             outs = [self.model.layers[i]._sb_tap.out for i in self.kept]
+        else:
+            hidden, outs = fast
+        if self.kept:
             self.layer_hidden = mx.concatenate(outs, axis=-1)  # [B, N, len(kept) * D]
         return hidden
 

@@ -1,0 +1,110 @@
+"""The decoder stack with its checks made once (kernels.cpu.stack): every forward it takes gives
+the bits the model's own call gives (the per-layer fused path), over dense, ragged and paged
+caches, with kept layers; every forward it cannot take is left to the model, nothing built."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from specbatch.kernels import cpu
+from specbatch.kernels.cpu import stack
+from specbatch.kernels.runner import ModelRunner
+
+from helpers import run_batch
+
+needs_kernels = pytest.mark.skipif(cpu.extension() is None, reason="the CPU kernels are not built here")
+
+
+def _forwards(runner: ModelRunner, steps: list[list[list[int]]]):
+    """Each step's logits (and the kept layers' outputs) over one dense cache, evaluated."""
+    cache = runner.make_cache()
+    outs = []
+    for tokens in steps:
+        logits = runner.forward(mx.array(tokens, dtype=mx.int32), cache)
+        kept = runner.layer_hidden if runner.kept else None
+        mx.eval(logits, kept if kept is not None else [])
+        outs.append((logits, kept))
+    return outs, cache
+
+
+STEPS = [[[3, 5, 7, 9, 11]], [[13]], [[2, 4, 6]], [[8]], [[1] * 20]]  # a prompt, steps, verifies
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["tiny", "tiny_draft"])  # llama; qwen2 (q, k, v with biases)
+def test_the_stack_gives_the_models_own_bits(name, request, monkeypatch):
+    model = request.getfixturevalue(name).model
+    plan = stack.Stack.of(model)
+    assert plan is not None and len(plan.layers) == len(model.layers)
+    fast, slow = ModelRunner(model), ModelRunner(model)
+    slow._stack = False  # the model's own call: every layer's checks, then the same ops
+    calls = []
+    original = stack.LayerPlan.__call__
+    monkeypatch.setattr(stack.LayerPlan, "__call__", lambda *a: calls.append(1) or original(*a))
+    got, cache = _forwards(fast, STEPS)
+    want, own = _forwards(slow, STEPS)
+    assert len(calls) == len(STEPS) * len(model.layers)
+    for (a, _), (b, _) in zip(got, want):
+        assert mx.array_equal(a, b).item()
+    assert all(mx.array_equal(c.keys[..., :c.offset, :], d.keys[..., :d.offset, :]).item() for c, d in zip(cache, own))
+
+
+@needs_kernels
+def test_kept_layers_are_the_taps_outputs(tiny):
+    fast, slow = ModelRunner(tiny.model), ModelRunner(tiny.model)
+    slow._stack = False
+    for runner in (fast, slow):
+        runner.keep_layers([1, 0])  # in the asked order, not the layers'
+    got, _ = _forwards(fast, STEPS[:3])
+    want, _ = _forwards(slow, STEPS[:3])
+    for (_, a), (_, b) in zip(got, want):
+        assert a.shape[-1] == 2 * tiny.model.args.hidden_size and mx.array_equal(a, b).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["paged", "dense"])
+def test_batch_streams_and_verifies_are_the_models_own(tiny, tiny_draft, layout, monkeypatch):
+    """Ragged rows in one batch (each its own offset), speculative rounds rolled back per row."""
+    prompts = [[3, 5, 7], [9, 11, 13, 15, 17, 19], [2]]
+    params = [{"max_tokens": 12}, {"max_tokens": 9, "temperature": 0.8, "seed": 3}, {"max_tokens": 14}]
+    calls = []
+    original = stack.LayerPlan.__call__
+    monkeypatch.setattr(stack.LayerPlan, "__call__", lambda *a: calls.append(1) or original(*a))
+    fast = run_batch(tiny, tiny_draft, prompts, k=3, params=params, kv_layout=layout)
+    assert calls  # the stack built the verifies
+    monkeypatch.setattr(stack.Stack, "of", classmethod(lambda cls, model: None))
+    slow = run_batch(tiny, tiny_draft, prompts, k=3, params=params, kv_layout=layout)
+    assert fast[0] == slow[0]
+    assert [(r.accepted, r.emitted) for r in fast[1]] == [(r.accepted, r.emitted) for r in slow[1]]
+
+
+@needs_kernels
+def test_forwards_it_cannot_take_build_nothing(tiny):
+    plan = stack.Stack.of(tiny.model)
+    cache = [KVCache() for _ in tiny.model.layers]
+    wide = mx.zeros((1, cpu.MAX_ROWS + 1), dtype=mx.int32)
+    assert plan(wide, cache) is None and cache[0].offset == 0  # more rows than the kernels take
+    with cpu.disabled():
+        assert plan(wide[:, :2], cache) is None
+    quantized = [QuantizedKVCache() for _ in tiny.model.layers]
+    assert plan(wide[:, :2], quantized) is None
+    assert plan(wide[:, :2], cache[:1]) is None
+    attn = tiny.model.layers[1].self_attn
+    rope = attn.rope
+    attn.rope = nn.RoPE(rope.dims, base=10000.0)  # a module swapped in (as a tree forward wraps the RoPE)
+    try:
+        assert plan(wide[:, :2], cache) is None and cache[0].offset == 0
+    finally:
+        attn.rope = rope
+    hidden, kept = plan(wide[:, :2], cache, (0,))
+    assert hidden.shape == (1, 2, tiny.model.args.hidden_size) and len(kept) == 1 and cache[0].offset == 2
+
+
+def test_a_model_whose_blocks_are_not_all_fused_has_no_stack(tiny_qwen):
+    """qwen3's per-head q / k norms keep its attention on the module's own call."""
+    assert stack.Stack.of(tiny_qwen.model) is None
+    with cpu.disabled():
+        assert stack.Stack.of(tiny_qwen.model) is None
