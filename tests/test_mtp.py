@@ -26,8 +26,11 @@ def head(mtp_head):
     return mtp_head  # conftest's random head over the tiny llama
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
-def test_mtp_streams_equal_plain(tiny, head, k):
+@pytest.mark.parametrize("k,one_core", [(1, False), (3, False), (6, False), (2, True)])
+def test_mtp_streams_equal_plain(tiny, head, k, one_core, monkeypatch):
+    """``one_core``: the drafts evaluated on one core while the verify builds (spec_round's overlap)."""
+    from specbatch.kernels.drafters.mtp import MTPDrafter
+    monkeypatch.setattr(MTPDrafter, "draft_on_one_core", one_core)
     params = [dict(max_tokens=9 + 3 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
               for i in range(5)]
     plain = [run_plain(tiny, p, **kw) for p, kw in zip(PROMPTS, params)]

@@ -151,7 +151,10 @@ class MTPDrafter:
     """Drafter protocol over an ``MTPHead`` that shares the target's embedding, head and KV."""
 
     tree_width = ANY_WIDTH
-    draft_on_one_core = True  # a step is small: one core drafts while the other builds the verify (spec_round)
+    # off: with the verify's graph built in ~0.8 ms (cpu/stack.py), drafting on one core while it
+    # builds made the round wait on that core (Intel AVX-512, engine_compare: 1.03-1.05x plain
+    # against 1.10-1.11x drafting on both; on the EPYC, with a 1.9 ms build, it had won 5%)
+    draft_on_one_core = False
 
     def __init__(self, head: MTPHead, runner):
         self.head, self.runner = head, runner
