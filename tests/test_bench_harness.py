@@ -38,6 +38,18 @@ def test_kernels_bench_measures_the_bound_and_both_paths(tiny):
     assert set(kernels.forward_times(model, [(2, 3)], repeats=1, mlx_ops=False)) == {(2, 3, True)}
 
 
+def test_the_kernels_bench_times_the_engines_own_plain_decode(tiny):
+    from specbatch.runtime.config import EngineConfig
+    from specbatch.tools.bench import kernels
+    from specbatch.tools.bench.harness import Context
+    ctx = Context(tiny, None, EngineConfig(), [1], 8, 1)
+    try:
+        ms = kernels.decode_ms(ctx, tiny.tokenizer.encode("hello there"), tokens=6)
+    finally:
+        ctx.close()
+    assert 0 < ms < 10_000
+
+
 def test_the_policy_bench_decodes_prompts_calibration_never_saw_at_mixed_temperatures(tiny):
     from specbatch.tools import workload
     from specbatch.tools.bench import policy

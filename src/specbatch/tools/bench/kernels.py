@@ -10,9 +10,11 @@ against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
   larger of its bytes (the quantized blocks up to ``blocks_max_rows`` token rows, the stored matrices
   beyond) over the bandwidth and its FLOPs over that peak;
 - forward of ``rows x positions`` tokens over a 128-token context (decode steps at widths
-  1-16, verifies of 2-16 positions at width 1), kernels on and off (off: MLX's ops on the
-  float32 weights mlx-lm runs), every case in turn within each repeat, and what each step
-  reaches of the bound;
+  1-16, verifies of 2-16 positions at width 1), kernels on (through the engine's runner, as
+  the engine builds a forward) and off (off: MLX's ops on the float32 weights mlx-lm runs),
+  every case in turn within each repeat, and what each step reaches of the bound;
+- the engine's own width-1 plain decode, steady state (ms a token after the first: the
+  forward, its sampling and the host's work between tokens), against the same bound;
 - time to first token of a ~1,400-token chat prompt: our engine (chunked prefill) against
   mlx-lm's ``stream_generate`` on MLX's ops (float32 weights).
 """
@@ -29,6 +31,7 @@ import numpy as np
 from ...kernels import cpu
 from ...kernels.cpu.blocks import decode_bytes, reads_blocks
 from ...runtime.params import SamplingParams
+from .harness import code_prompts
 
 CONTEXT = 128
 SHAPES = [(1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (1, 16), (4, 1), (8, 1), (16, 1), (4, 5)]  # (rows, positions)
@@ -70,8 +73,11 @@ def forward_times(model, shapes: list[tuple[int, int]], repeats: int, mlx_ops: b
     Every repeat runs each case once in turn, so the ratios between shapes are taken side by
     side (a noisy VM drifts by 10-30% over the minutes one shape at a time would take)."""
     from mlx_lm.models.cache import make_prompt_cache
+    from ...kernels.runner import ModelRunner
     cases = [(r, n, on) for r, n in shapes for on in ((True, False) if mlx_ops else (True,))]
     models = {True: model, False: model if baseline is None else baseline}
+    runner = ModelRunner(model)  # the engine's forward: the decoder stack built once (cpu.stack)
+    forward = {True: runner.forward, False: lambda tokens, cache: models[False](tokens, cache=cache)}
     caches = {}
     for case in cases:
         caches[case] = make_prompt_cache(models[case[2]])
@@ -84,7 +90,7 @@ def forward_times(model, shapes: list[tuple[int, int]], repeats: int, mlx_ops: b
             step = mx.full((rows, positions), 200, dtype=mx.int32)
             with contextlib.nullcontext() if on else cpu.disabled():
                 t0 = time.perf_counter()
-                mx.eval(models[on](step, cache=caches[case]))
+                mx.eval(forward[on](step, caches[case]))
                 times[case].append(time.perf_counter() - t0)
             for c in caches[case]:
                 c.trim(positions)
@@ -105,6 +111,17 @@ def ttft_s(ctx, prompt: list[int]) -> dict:
             next(iter(stream_generate(ctx.mlx_lm_model, ctx.target.tokenizer, prompt, max_tokens=1)))
             theirs.append(time.perf_counter() - t0)
     return {"specbatch_s": statistics.median(ours), "mlx_lm_s": statistics.median(theirs)}
+
+
+def decode_ms(ctx, prompt: list[int], tokens: int = 96) -> float:
+    """The engine's width-1 plain decode, ms a token after the first (median of the repeats)."""
+    engine = ctx.engine(speculation=False)
+    runs = []
+    for _ in range(max(2, ctx.repeats)):
+        handle = engine.submit(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        stamps = [time.perf_counter() for event in handle if event.token is not None]
+        runs.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3)
+    return statistics.median(runs)
 
 
 def suite_kernels(ctx) -> dict:
@@ -131,6 +148,9 @@ def suite_kernels(ctx) -> dict:
                      "kernels_over_step": on / base_on, "mlx_ops_over_step": off / base_off,
                      "bound_ms": bound_ms, "fraction_of_bound": bound_ms / on,
                      "roofline_ms": roofline, "fraction_of_roofline": roofline / on})
+    decode = decode_ms(ctx, code_prompts(ctx.target.tokenizer, 1)[0])
+    rows.append({"rows": 1, "positions": 1, "engine_decode_ms": decode, "bound_ms": bound_ms,
+                 "fraction_of_bound": bound_ms / decode})
     from .long import long_prompts
     prompt = long_prompts(ctx.target.tokenizer, 1400, 1)[0]
     ttft = ttft_s(ctx, prompt)
