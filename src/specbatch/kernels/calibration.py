@@ -31,6 +31,39 @@ def machine_key() -> str:
     return f"{platform.system()}-{platform.machine()}-{os.cpu_count()}cpu-{kernels}-{mx.default_device()}"
 
 
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's vendor, family and model numbers as Linux reports them (``AuthenticAMD-25-17``;
+    a VM often hides the model name but not these), from ``cpuinfo`` or /proc/cpuinfo; '' where
+    they are missing."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip() and fields:
+            break  # the first processor's block is enough
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    parts = [fields.get(k, "") for k in ("vendor_id", "cpu family", "model")]
+    return "-".join(parts) if all(parts) else ""
+
+
+def machine_keys() -> list[str]:
+    """The keys a lookup tries, the most specific first: this CPU model, then any CPU of its ISA
+    class (three AVX-512 CPUs measured speculation at width 1 from 1.07x to 1.25x plain, so one
+    schedule does not fit them all)."""
+    base, model = machine_key(), cpu_model()
+    return [f"{base}-{model}", base] if model else [base]
+
+
+def store_key() -> str:
+    """The key ``specbatch calibrate`` writes: this CPU model's."""
+    return machine_keys()[0]
+
+
 def pair_key(target: str, drafter: str | None) -> str:
     return f"{Path(target).name}+{Path(drafter).name if drafter else 'none'}"
 
@@ -40,17 +73,22 @@ SHIPPED = Path(__file__).parents[1] / "demo_models" / "calibration.json"  # meas
 
 def lookup(target: str, drafter: str | None, field: str = "cap", kind=int):
     """A calibrated value ("cap", "k" or "max_temperature"; "": the whole entry) for this pair on this machine:
-    the user's own calibration first, then the one shipped with the demo pair."""
+    the user's own calibration first, then the one shipped with the demo pair; in each, this
+    CPU model's entry first, then its ISA class's (``machine_keys``)."""
     for path in (calibration_file(), SHIPPED):
         if not path.exists():
             continue
         try:
             table = json.loads(path.read_text())
-            value = table[machine_key()][pair_key(target, drafter)]
-            value = value[field] if field else value
-            return None if value is None else kind(value)
-        except (KeyError, ValueError, TypeError, json.JSONDecodeError):
+        except (ValueError, json.JSONDecodeError):
             continue
+        for key in machine_keys():
+            try:
+                value = table[key][pair_key(target, drafter)]
+                value = value[field] if field else value
+                return None if value is None else kind(value)
+            except (KeyError, ValueError, TypeError):
+                continue
     return None
 
 
@@ -72,7 +110,7 @@ def store_fields(target: str, drafter: str | None, fields: dict, replace: bool =
     exactly ``fields``). The prefill chunk lives under the target with no drafter."""
     path = calibration_file()
     table = json.loads(path.read_text()) if path.exists() else {}
-    pairs = table.setdefault(machine_key(), {})
+    pairs = table.setdefault(store_key(), {})
     key = pair_key(target, drafter)
     pairs[key] = dict(fields) if replace else {**pairs.get(key, {}), **fields}
     path.parent.mkdir(parents=True, exist_ok=True)

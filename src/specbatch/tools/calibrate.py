@@ -9,7 +9,7 @@ import statistics
 
 import attrs
 
-from ..kernels.calibration import acceptance_bands, acceptance_by_position, derive_prior, lookup, machine_key, pair_key, store, store_fields
+from ..kernels.calibration import acceptance_bands, acceptance_by_position, derive_prior, lookup, pair_key, store, store_fields, store_key
 from ..runtime.schedule import Band, DraftSchedule
 from .bench.harness import Context, acceptance, code_prompts, core_tok_s
 from .calibrate_cost import cells_from, fit_cost, measure_forwards, timed_rounds
@@ -131,7 +131,7 @@ def run_calibrate(args) -> int:
         extra.update(policy_fields(target, table))
         path = store(target.name, drafter.name, schedule, table, extra)
     print(f"schedule {schedule.to_json()} (chains: {chains.to_json()}), cap = {schedule.cap()}; written to {path} "
-          f"for {machine_key()} / {pair_key(target.name, drafter.name)}")
+          f"for {store_key()} / {pair_key(target.name, drafter.name)}")
     if schedule.max_k() == 0:
         print("speculation does not pay for this pair here: it will decode plain")
     return 0

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from ..kernels.cpu import MAX_ROWS
 from ..kernels.runner import ModelRunner, prefill, prefill_chunk
-from ..kernels.calibration import machine_key, pair_key, store_fields
+from ..kernels.calibration import pair_key, store_fields, store_key
 
 def pick_chunk(times: dict[int, float], decode_s: float, gap: float, floor: int = 0) -> int:
     """The largest size whose chunk takes at most ``gap`` decode steps; else the smallest.
@@ -78,5 +78,5 @@ def calibrate_prefill(target, args) -> int:
     path = store_fields(target.name, None, {
         "prefill_chunk": chunk, "prefill_gap": args.prefill_gap, "prefill_context": args.prefill_context,
         "decode_step_s": round(decode_s, 5), "prefill_chunk_s": {str(n): round(t, 5) for n, t in times.items()}})
-    print(f"prefill_chunk = {chunk}; written to {path} for {machine_key()} / {pair_key(target.name, None)}")
+    print(f"prefill_chunk = {chunk}; written to {path} for {store_key()} / {pair_key(target.name, None)}")
     return chunk
