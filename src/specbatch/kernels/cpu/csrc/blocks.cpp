@@ -15,7 +15,7 @@ namespace {
 struct Entry {
   mx::array weight;             // the registry's key: held, so its buffer never moves or frees
   std::vector<uint8_t> packed;  // [N, ceil(K / 64), 64 * bits / 8] (below)
-  std::vector<float> sb;        // [N, K / 32, 2]: each group's scale and bias, widened
+  std::vector<uint16_t> sb;     // [N, K / 32, 2]: each group's scale and bias, float16 bits, then padding
   int bits;
 };
 
@@ -51,7 +51,7 @@ std::vector<uint8_t> pack(const uint8_t* q, int N, int K, int bits) {
 }
 
 // Every value of the matrix (float32, or float16 widened) against its blocks' q * s + b, rounded
-// once (what every tile computes), bit for bit; sb each group's widened scale and bias. The
+// once (what every tile computes), bit for bit; sb each group's scale and bias as float32. The
 // repacked copy is the tests' to check (the tiles against the float32 path at every row count),
 // not each load's.
 bool rebuilds(const mx::array& m, const uint8_t* q, const std::vector<float>& sb, int bits) {
@@ -67,7 +67,7 @@ bool rebuilds(const mx::array& m, const uint8_t* q, const std::vector<float>& sb
   return true;
 }
 
-// Each group's scale and bias as float32, side by side.
+// Each group's scale and bias as float32, side by side (what rebuilds checks).
 std::vector<float> widen_pairs(const mx::array& scales, const mx::array& biases) {
   auto s = mx::astype(scales, mx::float32), b = mx::astype(biases, mx::float32);
   mx::eval({s, b});
@@ -75,11 +75,21 @@ std::vector<float> widen_pairs(const mx::array& scales, const mx::array& biases)
   for (size_t i = 0; i < s.size(); ++i) out[2 * i] = s.data<float>()[i], out[2 * i + 1] = b.data<float>()[i];
   return out;
 }
+
+// The same pairs as the checkpoint's float16 bits (what the tiles stream), then kScalePad halves.
+std::vector<uint16_t> half_pairs(const mx::array& scales, const mx::array& biases) {
+  std::vector<uint16_t> out(2 * scales.size() + kScalePad, 0);
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data<mx::float16_t>());
+  const auto* b = reinterpret_cast<const uint16_t*>(biases.data<mx::float16_t>());
+  for (size_t i = 0; i < scales.size(); ++i) out[2 * i] = s[i], out[2 * i + 1] = b[i];
+  return out;
+}
 }  // namespace
 
 int64_t blocks_register(const mx::array& weight, const mx::array& q, const mx::array& scales,
                         const mx::array& biases, int bits) {
-  if (detect_isa() == Isa::none || (bits != 4 && bits != 8) ||
+  // the tiles widen the scales with F16C (every AVX2 CPU measured has it; none: the float32 path)
+  if (detect_isa() == Isa::none || !__builtin_cpu_supports("f16c") || (bits != 4 && bits != 8) ||
       (weight.dtype() != mx::float32 && weight.dtype() != mx::float16) || weight.ndim() != 2 ||
       q.dtype() != mx::uint32 || scales.dtype() != mx::float16 || biases.dtype() != mx::float16)
     return 0;
@@ -91,9 +101,9 @@ int64_t blocks_register(const mx::array& weight, const mx::array& q, const mx::a
     if (!a->flags().row_contiguous) return 0;
   mx::eval({weight, q, scales, biases});
   const auto* elements = reinterpret_cast<const uint8_t*>(q.data<uint32_t>());
-  Entry e{weight, pack(elements, N, K, bits), widen_pairs(scales, biases), bits};
-  if (!rebuilds(weight, elements, e.sb, bits)) return 0;
-  const int64_t bytes = static_cast<int64_t>(e.packed.size() + e.sb.size() * sizeof(float));
+  if (!rebuilds(weight, elements, widen_pairs(scales, biases), bits)) return 0;
+  Entry e{weight, pack(elements, N, K, bits), half_pairs(scales, biases), bits};
+  const int64_t bytes = static_cast<int64_t>(e.packed.size() + 2 * scales.size() * sizeof(uint16_t));
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().insert_or_assign(weight.data<void>(), std::move(e));
   return bytes;
@@ -112,16 +122,17 @@ int64_t blocks_register_rows(const mx::array& rows, const mx::array& weight, con
   if (it == registry().end()) return 0;
   const Entry& whole = it->second;
   const size_t packed_row = whole.packed.size() / N;
-  Entry e{rows, std::vector<uint8_t>(R * packed_row), std::vector<float>(static_cast<size_t>(R) * G * 2), whole.bits};
+  Entry e{rows, std::vector<uint8_t>(R * packed_row), std::vector<uint16_t>(static_cast<size_t>(R) * G * 2 + kScalePad, 0),
+          whole.bits};
   for (int r = 0; r < R; ++r) {
     const int n = ids.data<int32_t>()[r];
     // the gathered row must be the registered one's, value for value (what the blocks rebuild)
     if (n < 0 || n >= N || std::memcmp(rows.data<uint8_t>() + r * row_bytes, weight.data<uint8_t>() + n * row_bytes, row_bytes))
       return 0;
     std::memcpy(e.packed.data() + r * packed_row, whole.packed.data() + n * packed_row, packed_row);
-    std::memcpy(e.sb.data() + static_cast<size_t>(r) * G * 2, whole.sb.data() + static_cast<size_t>(n) * G * 2, G * 2 * sizeof(float));
+    std::memcpy(e.sb.data() + static_cast<size_t>(r) * G * 2, whole.sb.data() + static_cast<size_t>(n) * G * 2, G * 2 * sizeof(uint16_t));
   }
-  const int64_t bytes = static_cast<int64_t>(e.packed.size() + e.sb.size() * sizeof(float));
+  const int64_t bytes = static_cast<int64_t>(e.packed.size() + (e.sb.size() - kScalePad) * sizeof(uint16_t));
   registry().insert_or_assign(rows.data<void>(), std::move(e));
   return bytes;
 }

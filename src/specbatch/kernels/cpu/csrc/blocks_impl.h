@@ -39,6 +39,20 @@ constexpr int kAhead = 64;
 // 24- and 96-row blocks measured no better).
 constexpr int kBlockRows = 48;
 
+// Blocks whose float16 scale-bias pairs are widened at once into a stack buffer the tiles read
+// (4 converts of 8 halves). Streamed as float16, a 4-bit weight is 0.625 bytes instead of 0.75:
+// AMD EPYC Zen 4, alternating processes, the width-1 forward 7.7-7.9 -> 7.3-7.5 ms, 2 positions
+// 9.2-9.5 -> 8.6-9.5; the engine's plain width 1 +11%.
+constexpr int kSpan = 8;
+
+// The float32 values of 4 * kSpan halves at h (exact: float16 widens without rounding). Static:
+// each ISA's file keeps its own copy (one shared symbol could carry AVX-512 code to AVX2 callers).
+static inline const float* widen(const uint16_t* h, float* out) {
+  for (int j = 0; j < 4 * kSpan; j += 8)
+    _mm256_store_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j))));
+  return out;
+}
+
 // NB weight rows at once: NB independent accumulator chains per token row (one chain alone
 // waits on each FMA's latency), each still summing its k in order. Whole blocks in the loop,
 // with their chunk count known to the compiler (a runtime count left the weights on the stack:
@@ -52,17 +66,24 @@ void tile(const float* x, int K, const BlockView& w, int n, float* y, int N) {
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) acc[i][j] = Ops::zero();
   const uint8_t* p[NB];
+  const uint16_t* half[NB];  // each row's float16 scale-bias pairs, 4 halves a block
+  alignas(64) float wide[NB][4 * kSpan];
   const float* sb[NB];
-  for (int i = 0; i < NB; ++i) p[i] = w.packed + (long)(n + i) * blocks * B, sb[i] = w.sb + (long)(n + i) * G * 2;
-  for (int b = 0; b < whole; ++b) {
-    for (int i = 0; i < NB; ++i) {  // both streams, a cache line of scales every 4 blocks
+  for (int i = 0; i < NB; ++i) p[i] = w.packed + (long)(n + i) * blocks * B, half[i] = w.sb + (long)(n + i) * G * 2;
+  for (int b = 0; b < blocks; ++b) {
+    if (b % kSpan == 0)
+      for (int i = 0; i < NB; ++i) sb[i] = widen(half[i] + 4 * b, wide[i]);
+    for (int i = 0; i < NB; ++i) {  // both streams, a cache line of scales every 8 blocks
       _mm_prefetch(reinterpret_cast<const char*>(p[i] + kAhead * B), _MM_HINT_T0);
-      if (b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(sb[i] + kAhead * 4), _MM_HINT_T0);
+      if (b % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(half[i] + 4 * (b + kAhead)), _MM_HINT_T0);
     }
-    Ops::template block<NB, MB, 4>(x, K, 64 * b, p, sb, acc);
+    if (b < whole) {
+      Ops::template block<NB, MB, 4>(x, K, 64 * b, p, sb, acc);
+    } else {
+      Ops::template block<NB, MB, 2>(x, K, 64 * b, p, sb, acc);  // K / 32 odd: the last half block
+    }
     for (int i = 0; i < NB; ++i) p[i] += B, sb[i] += 4;
   }
-  if (whole < blocks) Ops::template block<NB, MB, 2>(x, K, 64 * whole, p, sb, acc);  // K / 32 odd
   for (int i = 0; i < NB; ++i)
     for (int j = 0; j < MB; ++j) y[(long)j * N + n + i] = Ops::sum(acc[i][j]);
 }

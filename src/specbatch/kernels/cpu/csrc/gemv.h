@@ -23,13 +23,17 @@ void gemv_avx512(const float* x, int M, int K, const float* w, int n0, int n1, f
 void gemv_avx512(const float* x, int M, int K, const uint16_t* w, int n0, int n1, float* y, int N);
 
 // A matrix's registered blocks as the tiles read them (blocks.h): 64 weights a block, each group of
-// 32 with its scale and bias widened, side by side. 4 bits: a block is 16 words, word l holding in
-// its nibble c weight 16c + l; 8 bits: a block is its 64 bytes in order.
+// 32 with its scale and bias side by side as float16 bits (the checkpoint's own: widened exactly
+// by the walk, blocks_impl.h). 4 bits: a block is 16 words, word l holding in its nibble c weight
+// 16c + l; 8 bits: a block is its 64 bytes in order.
 struct BlockView {
   const uint8_t* packed = nullptr;
-  const float* sb = nullptr;
+  const uint16_t* sb = nullptr;  // [N, K / 32, 2], then kScalePad halves of padding
   int bits = 0;
 };
+
+// Halves past the last row's scales, so the walk widens whole spans without a bounds check.
+constexpr int kScalePad = 32;
 
 // The same y for M <= 32 token rows read from 4-bit (q4_*.cpp) or 8-bit (q8_*.cpp) blocks: the
 // same sums, in the same order, as gemv_avx512 (gemv_avx2) over the blocks' float32 values.
