@@ -50,39 +50,37 @@ std::vector<uint8_t> pack(const uint8_t* q, int N, int K, int bits) {
   return out;
 }
 
-// Every value of the matrix (float32, or float16 widened) against its blocks' q * s + b, rounded
-// once (what every tile computes), bit for bit; sb each group's scale and bias as float32. The
-// repacked copy is the tests' to check (the tiles against the float32 path at every row count),
-// not each load's.
-bool rebuilds(const mx::array& m, const uint8_t* q, const std::vector<float>& sb, int bits) {
-  const int N = m.shape(0), K = m.shape(1), G = K / 32;
-  for (long n = 0; n < N; ++n)
-    for (int k = 0; k < K; ++k) {
-      const long at = n * K + k;
-      const float* g = sb.data() + (n * G + k / 32) * 2;
-      const float got = std::fma(static_cast<float>(element(q, at, bits)), g[0], g[1]);
-      const float want = m.dtype() == mx::float32 ? m.data<float>()[at] : static_cast<float>(m.data<mx::float16_t>()[at]);
-      if (std::memcmp(&got, &want, sizeof(float)) != 0) return false;
-    }
-  return true;
-}
-
-// Each group's scale and bias as float32, side by side (what rebuilds checks).
-std::vector<float> widen_pairs(const mx::array& scales, const mx::array& biases) {
-  auto s = mx::astype(scales, mx::float32), b = mx::astype(biases, mx::float32);
-  mx::eval({s, b});
-  std::vector<float> out(2 * s.size());
-  for (size_t i = 0; i < s.size(); ++i) out[2 * i] = s.data<float>()[i], out[2 * i + 1] = b.data<float>()[i];
-  return out;
-}
-
-// The same pairs as the checkpoint's float16 bits (what the tiles stream), then kScalePad halves.
+// The checkpoint's float16 scale and bias of each group, side by side as their bits (what the
+// tiles stream), then kScalePad halves.
 std::vector<uint16_t> half_pairs(const mx::array& scales, const mx::array& biases) {
   std::vector<uint16_t> out(2 * scales.size() + kScalePad, 0);
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data<mx::float16_t>());
   const auto* b = reinterpret_cast<const uint16_t*>(biases.data<mx::float16_t>());
   for (size_t i = 0; i < scales.size(); ++i) out[2 * i] = s[i], out[2 * i + 1] = b[i];
   return out;
+}
+
+float widened(uint16_t bits) {
+  mx::float16_t h;
+  std::memcpy(&h, &bits, sizeof(h));
+  return static_cast<float>(h);
+}
+
+// Every value of the matrix (float32, or float16 widened) against its blocks' q * s + b, rounded
+// once (what every tile computes from the pairs sb), bit for bit. The repacked copy is the
+// tests' to check (the tiles against the float32 path at every row count), not each load's.
+bool rebuilds(const mx::array& m, const uint8_t* q, const std::vector<uint16_t>& sb, int bits) {
+  const int N = m.shape(0), K = m.shape(1), G = K / 32;
+  for (long n = 0; n < N; ++n)
+    for (int g = 0; g < G; ++g) {
+      const float scale = widened(sb[(n * G + g) * 2]), bias = widened(sb[(n * G + g) * 2 + 1]);
+      for (long at = n * K + 32 * g; at < n * K + 32 * (g + 1); ++at) {
+        const float got = std::fma(static_cast<float>(element(q, at, bits)), scale, bias);
+        const float want = m.dtype() == mx::float32 ? m.data<float>()[at] : static_cast<float>(m.data<mx::float16_t>()[at]);
+        if (std::memcmp(&got, &want, sizeof(float)) != 0) return false;
+      }
+    }
+  return true;
 }
 }  // namespace
 
@@ -101,9 +99,10 @@ int64_t blocks_register(const mx::array& weight, const mx::array& q, const mx::a
     if (!a->flags().row_contiguous) return 0;
   mx::eval({weight, q, scales, biases});
   const auto* elements = reinterpret_cast<const uint8_t*>(q.data<uint32_t>());
-  if (!rebuilds(weight, elements, widen_pairs(scales, biases), bits)) return 0;
-  Entry e{weight, pack(elements, N, K, bits), half_pairs(scales, biases), bits};
-  const int64_t bytes = static_cast<int64_t>(e.packed.size() + 2 * scales.size() * sizeof(uint16_t));
+  auto sb = half_pairs(scales, biases);
+  if (!rebuilds(weight, elements, sb, bits)) return 0;
+  Entry e{weight, pack(elements, N, K, bits), std::move(sb), bits};
+  const int64_t bytes = static_cast<int64_t>(e.packed.size() + (e.sb.size() - kScalePad) * sizeof(uint16_t));
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().insert_or_assign(weight.data<void>(), std::move(e));
   return bytes;
