@@ -44,7 +44,7 @@ def test_the_kernels_bench_times_the_engines_own_plain_decode(tiny):
     from specbatch.tools.bench.harness import Context
     ctx = Context(tiny, None, EngineConfig(), [1], 8, 1)
     try:
-        ms = kernels.decode_ms(ctx, tiny.tokenizer.encode("hello there"), tokens=6)
+        ms = kernels.decode_ms(ctx, ctx.engine(speculation=False), tiny.tokenizer.encode("hello there"), tokens=6)
     finally:
         ctx.close()
     assert 0 < ms < 10_000

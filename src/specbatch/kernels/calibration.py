@@ -80,7 +80,7 @@ def lookup(target: str, drafter: str | None, field: str = "cap", kind=int):
             continue
         try:
             table = json.loads(path.read_text())
-        except (ValueError, json.JSONDecodeError):
+        except ValueError:  # json.JSONDecodeError included
             continue
         for key in machine_keys():
             try:

@@ -97,9 +97,9 @@ def forward_times(model, shapes: list[tuple[int, int]], repeats: int, mlx_ops: b
     return {case: statistics.median(ts[2:]) * 1e3 for case, ts in times.items()}
 
 
-def ttft_s(ctx, prompt: list[int]) -> dict:
+def ttft_s(ctx, engine, prompt: list[int]) -> dict:
+    """Time to first token of ``prompt`` on ``engine`` (plain) and on mlx-lm's ``stream_generate``."""
     from mlx_lm.generate import stream_generate
-    engine = ctx.engine(speculation=False)
     ours, theirs = [], []
     for _ in range(max(1, ctx.repeats)):
         t0 = time.perf_counter()
@@ -113,9 +113,8 @@ def ttft_s(ctx, prompt: list[int]) -> dict:
     return {"specbatch_s": statistics.median(ours), "mlx_lm_s": statistics.median(theirs)}
 
 
-def decode_ms(ctx, prompt: list[int], tokens: int = 96) -> float:
-    """The engine's width-1 plain decode, ms a token after the first (median of the repeats)."""
-    engine = ctx.engine(speculation=False)
+def decode_ms(ctx, engine, prompt: list[int], tokens: int = 96) -> float:
+    """``engine``'s width-1 decode, ms a token after the first (median of the repeats)."""
     runs = []
     for _ in range(max(2, ctx.repeats)):
         handle = engine.submit(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
@@ -148,12 +147,13 @@ def suite_kernels(ctx) -> dict:
                      "kernels_over_step": on / base_on, "mlx_ops_over_step": off / base_off,
                      "bound_ms": bound_ms, "fraction_of_bound": bound_ms / on,
                      "roofline_ms": roofline, "fraction_of_roofline": roofline / on})
-    decode = decode_ms(ctx, code_prompts(ctx.target.tokenizer, 1)[0])
+    engine = ctx.engine(speculation=False)  # plain: the engine's decode and its time to first token
+    decode = decode_ms(ctx, engine, code_prompts(ctx.target.tokenizer, 1)[0])
     rows.append({"rows": 1, "positions": 1, "engine_decode_ms": decode, "bound_ms": bound_ms,
                  "fraction_of_bound": bound_ms / decode})
     from .long import long_prompts
     prompt = long_prompts(ctx.target.tokenizer, 1400, 1)[0]
-    ttft = ttft_s(ctx, prompt)
+    ttft = ttft_s(ctx, engine, prompt)
     rows.append({"rows": 1, "positions": len(prompt), "ttft_specbatch_s": ttft["specbatch_s"],
                  "ttft_mlx_lm_s": ttft["mlx_lm_s"], "speedup": ttft["mlx_lm_s"] / ttft["specbatch_s"]})
     return {"kernels": {"active": state.active, "isa": state.isa, "why": state.why},
