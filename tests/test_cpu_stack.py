@@ -1,6 +1,8 @@
 """The decoder stack with its checks made once (kernels.cpu.stack): every forward it takes gives
 the bits the model's own call gives (the per-layer fused path), over dense, ragged and paged
-caches, with kept layers; every forward it cannot take is left to the model, nothing built."""
+caches, with kept layers; over a paged cache its graph is built in one ``decoder_stack`` call,
+with the same bits, pools, lengths and table; every forward it cannot take is left to the
+model, nothing built."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from specbatch.kernels import cpu
 from specbatch.kernels.cpu import stack
+from specbatch.kernels.paged_kv import PagedKV
 from specbatch.kernels.runner import ModelRunner
 
 from helpers import run_batch
@@ -108,3 +111,60 @@ def test_a_model_whose_blocks_are_not_all_fused_has_no_stack(tiny_qwen):
     assert stack.Stack.of(tiny_qwen.model) is None
     with cpu.disabled():
         assert stack.Stack.of(tiny_qwen.model) is None
+
+
+def _paged_forwards(runner: ModelRunner, steps, trims):
+    """Each step's logits and kept outputs over one two-row paged cache (``trims[i]``: tokens
+    each row then gives back, so the rows go ragged), evaluated; the cache."""
+    kv = PagedKV.empty(len(runner.model.layers), 2)
+    outs = []
+    for tokens, trim in zip(steps, trims):
+        logits = runner.forward(mx.array(tokens, dtype=mx.int32), kv.layers)
+        kept = runner.layer_hidden if runner.kept else mx.array(0)
+        mx.eval(logits, kept, kv.arrays())
+        outs.append((logits, kept))
+        kv.trim_rows(trim)
+    return outs, kv
+
+
+PAGED = [[[3, 5, 7, 9, 11] * 4] * 2, [[13], [14]], [[2, 4, 6], [1, 8, 9]], [[8], [7]], [[1] * 16] * 2, [[5], [6]]]
+TRIMS = [[0, 3], [0, 0], [2, 0], [0, 0], [0, 15], [0, 0]]  # equal, ragged single tokens, ragged verifies
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["tiny", "tiny_draft"])
+def test_paged_forwards_build_in_one_call_with_the_layers_bits(name, request, monkeypatch):
+    """Ragged rows (an array mask), verifies (causal and ragged), kept layers: the one-call graph
+    gives the per-layer path's logits, kept outputs, pools, lengths and blocks, and writes
+    every pool in place (no copy: the old pools were dropped before the writes ran)."""
+    model = request.getfixturevalue(name).model
+    ext = cpu.extension()
+    calls = []
+    original = ext.decoder_stack
+    monkeypatch.setattr(ext, "decoder_stack", lambda *a: calls.append(1) or original(*a))
+    fast, slow = ModelRunner(model), ModelRunner(model)
+    for runner in (fast, slow):
+        runner.keep_layers([len(model.layers) - 1, 0])  # a one-layer model keeps its layer twice
+    copies = ext.paged_write_copies()
+    got, kv = _paged_forwards(fast, PAGED, TRIMS)
+    assert ext.paged_write_copies() == copies
+    assert len(calls) == len(PAGED) - 1  # the 20-token prompt is wider than the small-M kernels
+    monkeypatch.setattr(stack.Stack, "_paged", lambda *a: None)
+    want, own = _paged_forwards(slow, PAGED, TRIMS)
+    for (a, ka), (b, kb) in zip(got, want):
+        assert mx.array_equal(a, b).item() and mx.array_equal(ka, kb).item()
+    assert kv.lengths() == own.lengths() and kv.table.rows == own.table.rows
+    for mine, theirs in zip(kv.layers, own.layers):
+        assert mx.array_equal(mine.keys, theirs.keys).item() and mx.array_equal(mine.values, theirs.values).item()
+
+
+@needs_kernels
+def test_decoder_stack_refuses_inputs_that_do_not_fit(tiny):
+    ext = cpu.extension()
+    h = mx.zeros((1, 1, tiny.model.args.hidden_size))
+    pool = mx.zeros((16, 64))
+    slots = mx.zeros((1,), dtype=mx.int32)
+    args = (h, [], [1e-5, 1e-5], slots, mx.ones((8,)), 4, 1, 16, False, 1.0, 0.25, False, [pool, pool], slots,
+            slots.reshape(1, 1), "", mx.array(False), [])
+    with pytest.raises(ValueError, match="per layer two pools"):
+        ext.decoder_stack(*args)

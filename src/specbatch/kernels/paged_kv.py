@@ -120,11 +120,11 @@ class PagedLayer(RaggedKVCache):
     def ends(self, value: list[int]) -> None:
         self._lengths, self._offset = list(value), None
 
-    def pools(self, keys_like: mx.array, values_like: mx.array) -> None:
-        """Create this layer's pools (from arrays ``[., H, ., D]``) and grow them to the table."""
+    def pools(self, keys_shape: tuple, values_shape: tuple, dtype) -> None:
+        """Create this layer's pools (for tokens shaped ``[., H, ., D]``) and grow them to the table."""
         if self.kpool is None:
-            self.kpool = Pool(keys_like.shape[1], keys_like.shape[3], keys_like.dtype, self.kv_bits)
-            self.vpool = Pool(values_like.shape[1], values_like.shape[3], values_like.dtype, self.kv_bits)
+            self.kpool = Pool(keys_shape[1], keys_shape[3], dtype, self.kv_bits)
+            self.vpool = Pool(values_shape[1], values_shape[3], dtype, self.kv_bits)
         self.kpool.grow(self.table.capacity * BLOCK)
         self.vpool.grow(self.table.capacity * BLOCK)
 
@@ -139,7 +139,7 @@ class PagedLayer(RaggedKVCache):
         N = keys.shape[2]
         new = [n + N for n in self._lengths]
         self.table.ensure(new)
-        self.pools(keys, values)
+        self.pools(keys.shape, values.shape, keys.dtype)
         slots = self.table.slots(self._lengths, N)  # [B * N]
         self.kpool.write_heads(slots, keys)
         self.vpool.write_heads(slots, values)
@@ -258,7 +258,7 @@ class PagedKV(BatchKV):
         for mine, theirs in zip(self.layers, other.layers):
             keys, values = theirs.keys, theirs.values  # [B', H, C, D]
             if keys is not None and sum(lengths):
-                mine.pools(keys, values)
+                mine.pools(keys.shape, values.shape, keys.dtype)
                 B2, H, C, D = keys.shape
                 src = mx.array(np.concatenate([i * C + s + np.arange(n) for i, (s, n) in
                                                enumerate(zip(starts, lengths))]).astype(np.int32))

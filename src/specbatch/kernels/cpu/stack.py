@@ -7,7 +7,9 @@ forward's graph build, while the ops themselves take 0.5 ms to build. A ``Stack`
 layers' modules when made (``Stack.of``) and, each forward, that they are still those modules
 and that the rows fit; then it builds every layer straight from the ops, the same ops in the
 same order ``block_call`` takes (``qkv_rope`` with the input norm, the cache append and
-attention, ``mlp_block`` with the output projection), so every bit is the same. Anything else
+attention, ``mlp_block`` with the output projection), so every bit is the same. Over a paged cache (the engine's default) the layers' graph is
+built in one call (``decoder_stack``, the same ops in the same order, made in C++: the
+per-layer Python was ~0.8 ms of a ~8 ms width-1 step). Anything else
 (a tree forward's per-node RoPE, more rows than the kernels take, a quantized cache, sliding
 windows, a replaced module) returns None before anything is built: the model's own call runs.
 
@@ -22,7 +24,8 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import MAX_ROWS, _active, rope_positions
+from ..paged_stack import StackWrite
+from . import _NO_MASK, MAX_ROWS, _active, rope_positions
 from .fused import MODULES, _append_and_attend
 from .half import weight_ok
 
@@ -46,6 +49,7 @@ class LayerPlan:
     mlp: nn.Module
     rope: nn.Module
     qkv_bias: bool
+    linears: tuple[nn.Module, ...]  # PROJECTIONS then MLP
 
     @classmethod
     def of(cls, ext, block: nn.Module) -> LayerPlan | None:
@@ -55,7 +59,7 @@ class LayerPlan:
                 and all(getattr(type(n), "_sb_norm", False) for n in (norm, post))) or "q_norm" in attn:
             return None
         rope = attn["rope"]
-        linears = [attn[p] for p in PROJECTIONS] + [mlp[p] for p in MLP]
+        linears = tuple(attn[p] for p in PROJECTIONS) + tuple(mlp[p] for p in MLP)
         if ("_sb_inv_freq" not in rope or getattr(rope, "positions", None) is not None
                 or not all(getattr(type(m), "small_m", False) and weight_ok(ext, m["weight"]) for m in linears)
                 or any("bias" in m for m in linears[3:])):
@@ -63,14 +67,32 @@ class LayerPlan:
         biased = ["bias" in attn[p] for p in PROJECTIONS[:3]]
         if any(biased) and not all(biased):
             return None
-        return cls(block, attn, norm, post, mlp, rope, all(biased))
+        return cls(block, attn, norm, post, mlp, rope, all(biased), linears)
 
-    def current(self) -> bool:
-        """Whether the block still holds these modules (a tree forward wraps the RoPE; a
-        quantized or reloaded model holds others)."""
-        b, a = self.block, self.attn
-        return (b["self_attn"] is a and b["mlp"] is self.mlp and b["input_layernorm"] is self.norm
-                and b["post_attention_layernorm"] is self.post and a["rope"] is self.rope)
+    def links(self) -> tuple:
+        """(parent, key, child) for every module this plan holds: the block holds these while
+        each parent's ``parent[key] is child`` (a tree forward wraps the RoPE; a quantized or
+        reloaded model holds other modules)."""
+        b, a, m = self.block, self.attn, self.mlp
+        return ((b, "self_attn", a), (b, "mlp", m), (b, "input_layernorm", self.norm),
+                (b, "post_attention_layernorm", self.post), (a, "rope", self.rope),
+                *((a, p, x) for p, x in zip(PROJECTIONS, self.linears)),
+                *((m, p, x) for p, x in zip(MLP, self.linears[len(PROJECTIONS):])))
+
+    def sources(self) -> tuple:
+        """(module, key) of each array ``decoder_stack`` takes for this layer, in its order:
+        norm_in, wq, wk, wv, [bq, bk, bv], norm_post, wg, wu, wd, wo (read every forward: a
+        model's weights may be replaced in place)."""
+        q, k, v, o, g, u, d = self.linears
+        biases = ((q, "bias"), (k, "bias"), (v, "bias")) if self.qkv_bias else ()
+        return ((self.norm, "weight"), (q, "weight"), (k, "weight"), (v, "weight"), *biases, (self.post, "weight"),
+                (g, "weight"), (u, "weight"), (d, "weight"), (o, "weight"))
+
+    def shape(self) -> tuple:
+        """What ``decoder_stack`` assumes every layer shares."""
+        a, rope = self.attn, self.rope
+        return (a.n_heads, a.n_kv_heads, a["k_proj"]["weight"].shape[0] // a.n_kv_heads, rope.dims, rope.traditional,
+                rope._sb_scale, a.scale, self.qkv_bias)
 
     def __call__(self, ext, x: mx.array, mask, cache, positions: mx.array) -> mx.array:
         """The block's output for ``x`` ``[B, L, D]``, its KV appended to ``cache``."""
@@ -92,6 +114,9 @@ class Stack:
     inner: nn.Module
     layers: tuple[LayerPlan, ...]
     mask_cache: int  # the cache whose offset the mask is made from (the model's choice)
+    shared: tuple | None  # LayerPlan.shape() where every layer has it, its RoPE frequencies too
+    links: tuple  # every layer's LayerPlan.links(), flat: checked every forward
+    sources: tuple  # every layer's LayerPlan.sources(), flat
 
     @classmethod
     def of(cls, model: nn.Module) -> Stack | None:
@@ -104,7 +129,11 @@ class Stack:
         plans = tuple(LayerPlan.of(ext, block) for block in inner.layers)
         if not plans or any(p is None for p in plans):
             return None
-        return cls(inner, plans, getattr(inner, "fa_idx", 0))
+        shape, freqs = plans[0].shape(), plans[0].rope["_sb_inv_freq"]
+        same = all(p.shape() == shape and mx.array_equal(p.rope["_sb_inv_freq"], freqs).item() for p in plans)
+        links = tuple(x for p in plans for x in p.links())
+        sources = tuple(x for p in plans for x in p.sources())
+        return cls(inner, plans, getattr(inner, "fa_idx", 0), shape if same else None, links, sources)
 
     def __call__(self, tokens: mx.array, cache: list | None, keep: tuple[int, ...] = ()):
         """(the final normed hidden states ``[B, L, D]``, the ``keep`` layers' outputs) for
@@ -116,13 +145,17 @@ class Stack:
         if cache is not None and (len(cache) != len(self.layers) or hasattr(cache[0], "bits")):
             return None
         blocks = self.inner["layers"]
-        if len(blocks) != len(self.layers) or not all(b is p.block and p.current() for b, p in zip(blocks, self.layers)):
+        if (len(blocks) != len(self.layers) or not all(b is p.block for b, p in zip(blocks, self.layers))
+                or not all(parent[key] is child for parent, key, child in self.links)):
             return None
         h = self.inner["embed_tokens"](tokens)  # [B, L, D]
         if h.dtype != mx.float32:
             return None
         caches = cache if cache is not None else [None] * len(self.layers)
         mask = sys.modules[type(self.inner).__module__].create_attention_mask(h, caches[self.mask_cache])
+        whole = self._paged(ext, h, mask, cache, keep) if cache is not None and self.shared else None
+        if whole is not None:
+            return self.inner["norm"](whole[0]), whole[1]
         kept, last, positions = {}, None, None
         for i, (plan, c) in enumerate(zip(self.layers, caches)):
             offset = c.offset if c is not None else 0
@@ -132,3 +165,31 @@ class Stack:
             if i in keep:
                 kept[i] = h
         return self.inner["norm"](h), [kept[i] for i in keep]
+
+    def _paged(self, ext, h: mx.array, mask, cache: list, keep: tuple[int, ...]):
+        """(the last layer's output, the kept layers') over a paged cache, every layer's graph
+        built in one ``decoder_stack`` call; None (nothing built or appended) where the cache
+        or the mask is another kind."""
+        kind = "" if mask is None else mask if isinstance(mask, str) else "array"
+        if kind not in ("", "causal") and not (kind == "array" and mask.dtype == mx.bool_ and mask.ndim == 4
+                                               and mask.shape[1] == 1):
+            return None
+        heads, kv_heads, head_dim, dims, traditional, rope_scale, attn_scale, bias = self.shared
+        if head_dim > 256:
+            return None
+        positions = rope_positions(cache[0].offset)  # each row's first new position, before the writes
+        B, L = h.shape[:2]
+        write = StackWrite.plan(cache, L, kv_heads, head_dim)
+        if write is None:
+            return None
+        T = write.read_slots.shape[1]
+        if kind == "array" and mask.shape[2:] != (L, T):
+            mask = mx.broadcast_to(mask, (mask.shape[0], 1, L, T))
+        weights = [module[key] for module, key in self.sources]
+        eps = [e for plan in self.layers for e in (plan.norm.eps, plan.post.eps)]
+        out = ext.decoder_stack(h, weights, eps, positions, self.layers[0].rope["_sb_inv_freq"], heads, kv_heads, dims,
+                                traditional, rope_scale, attn_scale, bias, write.pools, write.write_slots,
+                                write.read_slots, kind, mask if kind == "array" else _NO_MASK, list(keep))
+        n = 1 + len(keep)
+        write.commit(out[n:])
+        return out[0], out[1:n]

@@ -17,6 +17,7 @@
 #include "projections.h"
 #include "blocks.h"
 #include "rope.h"
+#include "stack.h"
 #include "swiglu.h"
 
 namespace nb = nanobind;
@@ -53,6 +54,22 @@ NB_MODULE(_ext, m) {
         nb::arg("inv_freq"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"),
         nb::arg("scale"), nb::arg("norms") = std::vector<mx::array>{}, nb::arg("eps") = 0.0f,
         "a layer's q, k (roped) and v in the head layout, one op for up to 32 rows (norms: the input RMSNorm first)");
+  m.def("decoder_stack", [](const mx::array& h, const std::vector<mx::array>& weights, const std::vector<float>& eps,
+                            const mx::array& positions, const mx::array& inv_freq, int heads, int kv_heads, int dims,
+                            bool traditional, float rope_scale, float attn_scale, bool bias,
+                            const std::vector<mx::array>& pools, const mx::array& write_slots,
+                            const mx::array& read_slots, const std::string& mask_kind, const mx::array& mask,
+                            const std::vector<int>& keep) {
+          const specbatch::StackShape shape{{heads, kv_heads, dims, traditional, rope_scale}, attn_scale, bias};
+          return specbatch::decoder_stack(h, weights, eps, positions, inv_freq, shape, pools, write_slots, read_slots,
+                                          mask_kind, mask, keep);
+        }, nb::arg("h"), nb::arg("weights"), nb::arg("eps"), nb::arg("positions"), nb::arg("inv_freq"),
+        nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"), nb::arg("rope_scale"),
+        nb::arg("attn_scale"), nb::arg("bias"), nb::arg("pools"), nb::arg("write_slots"), nb::arg("read_slots"),
+        nb::arg("mask_kind"), nb::arg("mask"), nb::arg("keep"),
+        "a decoder stack's forward over a paged cache, its graph built in one call (the per-layer ops in their "
+        "order): [the last layer's output, the kept layers', the written pools]");
+  m.def("stack_layer_inputs", &specbatch::layer_inputs, nb::arg("bias"), "arrays a layer hands decoder_stack");
   m.def("gate_up", &specbatch::gate_up, nb::arg("x"), nb::arg("wg"), nb::arg("wu"),
         "x @ wg.T and x @ wu.T in one op for up to 32 rows");
   m.def("mlp_block", &specbatch::mlp_block, nb::arg("x"), nb::arg("r"), nb::arg("norm"), nb::arg("eps"),
