@@ -168,3 +168,19 @@ def test_decoder_stack_refuses_inputs_that_do_not_fit(tiny):
             slots.reshape(1, 1), "", mx.array(False), [])
     with pytest.raises(ValueError, match="per layer two pools"):
         ext.decoder_stack(*args)
+
+
+@needs_kernels
+def test_a_pool_held_elsewhere_is_copied_and_left_as_it_was(tiny):
+    """The one-call op writes a pool in place only where nothing else holds it: a reader's
+    reference keeps its values, and the write goes to a copy (counted)."""
+    runner = ModelRunner(tiny.model)
+    kv = PagedKV.empty(len(tiny.model.layers), 1)
+    mx.eval(runner.forward(mx.array([[3, 5, 7]], dtype=mx.int32), kv.layers), kv.arrays())
+    held = kv.layers[1].vpool.parts[0]
+    before = mx.array(held)
+    copies = cpu.extension().paged_write_copies()
+    mx.eval(runner.forward(mx.array([[9]], dtype=mx.int32), kv.layers), kv.arrays())
+    assert cpu.extension().paged_write_copies() == copies + 1
+    assert mx.array_equal(held, before).item()
+    assert not mx.array_equal(kv.layers[1].vpool.parts[0], before).item()

@@ -7,9 +7,11 @@ forward's graph build, while the ops themselves take 0.5 ms to build. A ``Stack`
 layers' modules when made (``Stack.of``) and, each forward, that they are still those modules
 and that the rows fit; then it builds every layer straight from the ops, the same ops in the
 same order ``block_call`` takes (``qkv_rope`` with the input norm, the cache append and
-attention, ``mlp_block`` with the output projection), so every bit is the same. Over a paged cache (the engine's default) the layers' graph is
-built in one call (``decoder_stack``, the same ops in the same order, made in C++: the
-per-layer Python was ~0.8 ms of a ~8 ms width-1 step). Anything else
+attention, ``mlp_block`` with the output projection), so every bit is the same. Over a paged
+cache (the engine's default) the whole stack is one op (``decoder_stack``: those ops' functions
+in that order, in C++): a width-1 step was ~150 ops, their graph built in Python (~0.8 ms,
+cold after each step's weight stream) and scheduled one by one on the caller's thread (~4 us
+each) while the step computed on both cores. Anything else
 (a tree forward's per-node RoPE, more rows than the kernels take, a quantized cache, sliding
 windows, a replaced module) returns None before anything is built: the model's own call runs.
 
@@ -19,6 +21,7 @@ Vocabulary: a *layer plan* is one block's modules as they were checked.
 from __future__ import annotations
 
 import sys
+from operator import getitem, is_
 
 import attrs
 import mlx.core as mx
@@ -115,8 +118,9 @@ class Stack:
     layers: tuple[LayerPlan, ...]
     mask_cache: int  # the cache whose offset the mask is made from (the model's choice)
     shared: tuple | None  # LayerPlan.shape() where every layer has it, its RoPE frequencies too
-    links: tuple  # every layer's LayerPlan.links(), flat: checked every forward
-    sources: tuple  # every layer's LayerPlan.sources(), flat
+    links: tuple[tuple, tuple, tuple]  # every layer's LayerPlan.links() as (parents, keys, children)
+    sources: tuple[tuple, tuple]  # every layer's LayerPlan.sources() as (modules, keys)
+    eps: tuple[float, ...]  # every layer's (input, post-attention) norm eps
 
     @classmethod
     def of(cls, model: nn.Module) -> Stack | None:
@@ -130,10 +134,16 @@ class Stack:
         if not plans or any(p is None for p in plans):
             return None
         shape, freqs = plans[0].shape(), plans[0].rope["_sb_inv_freq"]
-        same = all(p.shape() == shape and mx.array_equal(p.rope["_sb_inv_freq"], freqs).item() for p in plans)
-        links = tuple(x for p in plans for x in p.links())
-        sources = tuple(x for p in plans for x in p.sources())
-        return cls(inner, plans, getattr(inner, "fa_idx", 0), shape if same else None, links, sources)
+        same = all(p.shape() == shape and mx.array_equal(p.rope["_sb_inv_freq"], freqs).item()
+                   and p.norm["weight"].dtype == p.post["weight"].dtype == mx.float32
+                   and all(q["bias"].dtype == mx.float32 for q in p.linears[:3] if p.qkv_bias)
+                   for p in plans)
+        # flat and column-wise, so each forward's checks and reads run as C-level maps (~0.1 ms
+        # of bytecode a forward otherwise, cold after the step's weight stream)
+        links = tuple(zip(*(x for p in plans for x in p.links())))
+        sources = tuple(zip(*(x for p in plans for x in p.sources())))
+        eps = tuple(e for p in plans for e in (p.norm.eps, p.post.eps))
+        return cls(inner, plans, getattr(inner, "fa_idx", 0), shape if same else None, links, sources, eps)
 
     def __call__(self, tokens: mx.array, cache: list | None, keep: tuple[int, ...] = ()):
         """(the final normed hidden states ``[B, L, D]``, the ``keep`` layers' outputs) for
@@ -146,7 +156,7 @@ class Stack:
             return None
         blocks = self.inner["layers"]
         if (len(blocks) != len(self.layers) or not all(b is p.block for b, p in zip(blocks, self.layers))
-                or not all(parent[key] is child for parent, key, child in self.links)):
+                or not all(map(is_, map(getitem, *self.links[:2]), self.links[2]))):
             return None
         h = self.inner["embed_tokens"](tokens)  # [B, L, D]
         if h.dtype != mx.float32:
@@ -167,9 +177,8 @@ class Stack:
         return self.inner["norm"](h), [kept[i] for i in keep]
 
     def _paged(self, ext, h: mx.array, mask, cache: list, keep: tuple[int, ...]):
-        """(the last layer's output, the kept layers') over a paged cache, every layer's graph
-        built in one ``decoder_stack`` call; None (nothing built or appended) where the cache
-        or the mask is another kind."""
+        """(the last layer's output, the kept layers') over a paged cache as one ``decoder_stack``
+        op; None (nothing built or appended) where the cache or the mask is another kind."""
         kind = "" if mask is None else mask if isinstance(mask, str) else "array"
         if kind not in ("", "causal") and not (kind == "array" and mask.dtype == mx.bool_ and mask.ndim == 4
                                                and mask.shape[1] == 1):
@@ -185,9 +194,8 @@ class Stack:
         T = write.read_slots.shape[1]
         if kind == "array" and mask.shape[2:] != (L, T):
             mask = mx.broadcast_to(mask, (mask.shape[0], 1, L, T))
-        weights = [module[key] for module, key in self.sources]
-        eps = [e for plan in self.layers for e in (plan.norm.eps, plan.post.eps)]
-        out = ext.decoder_stack(h, weights, eps, positions, self.layers[0].rope["_sb_inv_freq"], heads, kv_heads, dims,
+        weights = list(map(getitem, *self.sources))
+        out = ext.decoder_stack(h, weights, self.eps, positions, self.layers[0].rope["_sb_inv_freq"], heads, kv_heads, dims,
                                 traditional, rope_scale, attn_scale, bias, write.pools, write.write_slots,
                                 write.read_slots, kind, mask if kind == "array" else _NO_MASK, list(keep))
         n = 1 + len(keep)

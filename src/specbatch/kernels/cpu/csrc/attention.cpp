@@ -147,20 +147,26 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       std::fill(a.out, a.out + static_cast<int64_t>(a.B) * a.Hq * a.L * a.D, std::nanf(""));  // a table bug: NaN, never a stray read
       return;
     }
-    const int qb = query_block(a.L);
-    const int64_t tasks = static_cast<int64_t>(a.B) * a.Hkv * ((a.L + qb - 1) / qb);
-    if (tasks == 0 || a.T == 0) return;
-    auto kernel = detect_isa() == Isa::avx512 ? attention_avx512 : attention_avx2;
-    auto& p = pool();
-    const int parts = static_cast<int>(std::min<int64_t>(p.size(), tasks));
-    // contiguous task ranges: a row's KV heads share its pool rows (and cache lines the
-    // hardware prefetcher pulled for a neighbour head), so one core takes them in turn
-    p.run([&](int part) {
-      if (part >= parts) return;
-      for (int64_t t = tasks * part / parts; t < tasks * (part + 1) / parts; ++t) kernel(a, t);
-    }, parts);
+    attention_run(a);
   });
 }
+
+void attention_run(const AttentionArgs& a) {
+  const int qb = query_block(a.L);
+  const int64_t tasks = static_cast<int64_t>(a.B) * a.Hkv * ((a.L + qb - 1) / qb);
+  if (tasks == 0 || a.T == 0) return;
+  auto kernel = detect_isa() == Isa::avx512 ? attention_avx512 : attention_avx2;
+  auto& p = pool();
+  const int parts = static_cast<int>(std::min<int64_t>(p.size(), tasks));
+  // contiguous task ranges: a row's KV heads share its pool rows (and cache lines the
+  // hardware prefetcher pulled for a neighbour head), so one core takes them in turn
+  p.run([&](int part) {
+    if (part >= parts) return;
+    for (int64_t t = tasks * part / parts; t < tasks * (part + 1) / parts; ++t) kernel(a, t);
+  }, parts);
+}
+
+bool slots_valid(const int32_t* slots, int64_t n, int64_t rows) { return slots_in_range(slots, n, rows); }
 
 void Attention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("SpecbatchAttention runs on the CPU only");

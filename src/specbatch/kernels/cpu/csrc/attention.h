@@ -33,6 +33,11 @@ struct KeyRows {
   const float* at(int j) const { return base + (slots ? slots[j] : j) * stride; }
 };
 
+// Every task of a call on the pool (the op's task; each layer of the decoder stack).
+void attention_run(const AttentionArgs& a);
+// Whether every one of n slots names one of a pool's rows (else the caller writes NaN).
+bool slots_valid(const int32_t* slots, int64_t n, int64_t rows);
+
 void attention_avx2(const AttentionArgs& a, int64_t task);
 void attention_avx512(const AttentionArgs& a, int64_t task);
 

@@ -41,6 +41,23 @@ mx::array mlp_block(const mx::array& x, const mx::array& r, const mx::array& nor
   return mx::array(x.shape(), mx::float32, std::make_shared<MlpBlock>(s, eps), std::move(inputs));
 }
 
+void mlp_rows(const float* x, const float* r, int M, int K, int I, int J, const float* norm, float eps,
+              const Weights& wg, const Weights& wu, const Weights& wd, const Weights* wo, float* y) {
+  std::vector<float> h(static_cast<size_t>(M) * K), n(h.size()), gu(static_cast<size_t>(M) * I * 2);
+  if (wo) {  // r = attention's heads through the output projection, as o_proj's own op sums it
+    gemv_all(r, M, J, {{*wo, K, n.data(), K}});
+    r = n.data();  // n is free until the norm below writes it
+  }
+  for (size_t i = 0; i < h.size(); ++i) h[i] = x[i] + r[i];
+  norm_rows(h.data(), norm, n.data(), M, K, eps);
+  float* g = gu.data();
+  float* u = g + static_cast<size_t>(M) * I;
+  gemv_all(n.data(), M, K, {{wg, I, g, I}, {wu, I, u, I}});
+  swiglu_rows(g, u, g, static_cast<int64_t>(M) * I);  // in place
+  gemv_all(g, M, I, {{wd, K, y, K}});
+  for (size_t i = 0; i < h.size(); ++i) y[i] = h[i] + y[i];
+}
+
 void MlpBlock::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -55,21 +72,11 @@ void MlpBlock::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     std::vector<float> copies[3];
     const float* p[3];
     for (int i = 0; i < 3; ++i) p[i] = row_major(in[i], copies[i]);
-    WeightCopy wc[4];
+    WeightCopy wc[3];
     const Weights wg = weights_of(in[3], wc[0]), wu = weights_of(in[4], wc[1]), wd = weights_of(in[5], wc[2]);
-    std::vector<float> h(static_cast<size_t>(M) * K), n(h.size()), gu(static_cast<size_t>(M) * I * 2);
-    if (in.size() == 7) {  // r = attention's heads through the output projection, as o_proj's own op sums it
-      gemv_all(p[1], M, J, {{weights_of(in[6], wc[3]), K, n.data(), K}});
-      p[1] = n.data();  // n is free until the norm below writes it
-    }
-    for (size_t i = 0; i < h.size(); ++i) h[i] = p[0][i] + p[1][i];
-    norm_rows(h.data(), p[2], n.data(), M, K, eps);
-    float* g = gu.data();
-    float* u = g + static_cast<size_t>(M) * I;
-    gemv_all(n.data(), M, K, {{wg, I, g, I}, {wu, I, u, I}});
-    swiglu_rows(g, u, g, static_cast<int64_t>(M) * I);  // in place
-    gemv_all(g, M, I, {{wd, K, yp, K}});
-    for (size_t i = 0; i < h.size(); ++i) yp[i] = h[i] + yp[i];
+    WeightCopy wo_copy;
+    const Weights wo = in.size() == 7 ? weights_of(in[6], wo_copy) : Weights{};
+    mlp_rows(p[0], p[1], M, K, I, J, p[2], eps, wg, wu, wd, in.size() == 7 ? &wo : nullptr, yp);
   });
 }
 

@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "linear.h"
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
@@ -18,6 +19,11 @@ namespace mx = mlx::core;
 // x, r [..., K] (with wo [K, J]: r [..., J]); norm [K]; wg, wu [I, K]; wd [K, I] -> [..., K].
 mx::array mlp_block(const mx::array& x, const mx::array& r, const mx::array& norm, float eps, const mx::array& wg,
                     const mx::array& wu, const mx::array& wd, const std::optional<mx::array>& wo = std::nullopt);
+
+// The op on rows in memory (its task; each layer of the decoder stack): x [M, K]; r [M, K], or
+// [M, J] with wo; y [M, K].
+void mlp_rows(const float* x, const float* r, int M, int K, int I, int J, const float* norm, float eps,
+              const Weights& wg, const Weights& wu, const Weights& wd, const Weights* wo, float* y);
 
 class MlpBlock : public mx::UnaryPrimitive {
  public:

@@ -15,6 +15,7 @@ std::atomic<int64_t> copies{0};
 }  // namespace
 
 int64_t paged_write_copies() { return copies.load(); }
+void paged_write_copied() { copies.fetch_add(1); }
 
 mx::array paged_write(const mx::array& pool, const mx::array& slots, const mx::array& rows) {
   if (pool.dtype() != mx::float32 || rows.dtype() != mx::float32)
@@ -52,16 +53,18 @@ void PagedWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
     }
     std::vector<int32_t> sc;
     std::vector<float> xc;
-    const int32_t* sp = row_major(slots, sc);
-    const float* x = row_major(rows, xc);  // [B, H, N, D]
-    for (int b = 0; b < B; ++b)
-      for (int n = 0; n < N; ++n) {
-        const int64_t slot = sp[b * N + n];
-        if (slot < 0 || slot >= P) continue;
-        for (int h = 0; h < H; ++h)
-          std::memcpy(y + slot * H * D + h * D, x + ((static_cast<int64_t>(b) * H + h) * N + n) * D, D * sizeof(float));
-      }
+    paged_rows(row_major(rows, xc), row_major(slots, sc), B, H, N, D, P, y);
   });
+}
+
+void paged_rows(const float* x, const int32_t* slots, int B, int H, int N, int D, int64_t P, float* pool) {
+  for (int b = 0; b < B; ++b)
+    for (int n = 0; n < N; ++n) {
+      const int64_t slot = slots[b * N + n];
+      if (slot < 0 || slot >= P) continue;
+      for (int h = 0; h < H; ++h)
+        std::memcpy(pool + slot * H * D + h * D, x + ((static_cast<int64_t>(b) * H + h) * N + n) * D, D * sizeof(float));
+    }
 }
 
 void PagedWrite::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -19,8 +19,14 @@ namespace mx = mlx::core;
 // A slot outside [0, P) is not written.
 mx::array paged_write(const mx::array& pool, const mx::array& slots, const mx::array& rows);
 
-// How many writes so far had to copy their pool (a held reference kept it from donation).
+// The write on rows in memory (the op's task; each layer of the decoder stack): x [B, H, N, D]
+// into pool [P, H * D] at slots [B * N].
+void paged_rows(const float* x, const int32_t* slots, int B, int H, int N, int D, int64_t P, float* pool);
+
+// How many writes so far had to copy their pool (a held reference kept it from donation); a
+// decoder stack counts its pools' copies here too.
 int64_t paged_write_copies();
+void paged_write_copied();
 
 class PagedWrite : public mx::UnaryPrimitive {
  public:

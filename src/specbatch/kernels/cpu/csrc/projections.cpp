@@ -61,6 +61,32 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const mx::array& wq, const m
                                 std::make_shared<Projections>(s, true, !biases.empty(), shape, !norms.empty()), inputs);
 }
 
+void qkv_rows(const QkvRows& r) {
+  const int M = r.B * r.L, K = r.K, nq = r.nq, nk = r.nk, N = nq + 2 * nk;
+  const float* x = r.x;
+  std::vector<float> normed;
+  if (r.norm) {  // the layer's input norm, row by row as the RMSNorm op computes it
+    normed.resize(static_cast<size_t>(M) * K);
+    norm_rows(x, r.norm, normed.data(), M, K, r.shape.eps);
+    x = normed.data();
+  }
+  std::vector<float> y(static_cast<size_t>(M) * N);  // [M, q | k | v]
+  gemv_all(x, M, K, {{r.w[0], nq, y.data(), N}, {r.w[1], nk, y.data() + nq, N}, {r.w[2], nk, y.data() + nq + nk, N}});
+  if (r.bias[0]) {
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n)
+        y[m * N + n] += n < nq ? r.bias[0][n] : n < nq + nk ? r.bias[1][n - nq] : r.bias[2][n - nq - nk];
+  }
+  const int D = nq / r.shape.heads;
+  for (int part = 0; part < 3; ++part) {  // q and k rotated, v copied: [B, H, L, D] each
+    const int H = part == 0 ? r.shape.heads : r.shape.kv_heads, offset = part == 0 ? 0 : part == 1 ? nq : nq + nk;
+    RopeArgs a{y.data() + offset, r.pos, r.inv, r.out[part], r.B, H, r.L, D, part == 2 ? 0 : r.shape.dims / 2,
+               {static_cast<int64_t>(r.L) * N, D, N, 1}, r.per_row, r.explicit_positions, r.shape.traditional, false,
+               r.shape.scale};
+    rope_tokens(a, 0, static_cast<int64_t>(r.B) * r.L);  // half 0: a plain copy into the head layout
+  }
+}
+
 std::vector<mx::array> gate_up(const mx::array& x, const mx::array& wg, const mx::array& wu) {
   check(x, {&wg, &wu});
   if (wg.shape() != wu.shape()) throw std::invalid_argument("gate_up: wg and wu [I, K] alike");
@@ -83,42 +109,21 @@ void Projections::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   for (auto& out : outputs) ys.push_back(out.data<float>());
   encoder.dispatch([inputs, ys, M, K, qkv = qkv_, bias = bias_, norm = norm_, shape = shape_]() {
     if (M == 0) return;
-    std::vector<float> xc, normed, wn;
+    std::vector<float> xc, wn, bc[3], ic;
+    std::vector<int> pc;
     WeightCopy copies[3];
     std::vector<Weights> w;
     for (size_t i = 1; i < (qkv ? 4u : 3u); ++i) w.push_back(weights_of(inputs[i], copies[i - 1]));
     const float* x = row_major(inputs[0], xc);
-    if (norm) {  // the layer's input norm, row by row as the RMSNorm op computes it
-      const float* nw = row_major(inputs.back(), wn);
-      normed.resize(static_cast<size_t>(M) * K);
-      norm_rows(x, nw, normed.data(), M, K, shape.eps);
-      x = normed.data();
-    }
     if (!qkv) return gemv_all(x, M, K, {{w[0], inputs[1].shape(0), ys[0], inputs[1].shape(0)},
                                         {w[1], inputs[2].shape(0), ys[1], inputs[2].shape(0)}});
-    const int nq = inputs[1].shape(0), nk = inputs[2].shape(0), N = nq + 2 * nk;
-    std::vector<float> y(static_cast<size_t>(M) * N);  // [M, q | k | v]
-    gemv_all(x, M, K, {{w[0], nq, y.data(), N}, {w[1], nk, y.data() + nq, N}, {w[2], nk, y.data() + nq + nk, N}});
-    if (bias) {
-      std::vector<float> bc[3];
-      const float* b[3];
-      for (int i = 0; i < 3; ++i) b[i] = row_major(inputs[6 + i], bc[i]);
-      for (int m = 0; m < M; ++m)
-        for (int n = 0; n < N; ++n)
-          y[m * N + n] += n < nq ? b[0][n] : n < nq + nk ? b[1][n - nq] : b[2][n - nq - nk];
-    }
-    std::vector<int> pc;
-    std::vector<float> ic;
-    const int* pos = row_major(inputs[4], pc);
-    const float* inv = row_major(inputs[5], ic);
-    const int B = inputs[0].shape(0), L = inputs[0].shape(1), D = nq / shape.heads;
-    const bool per_row = inputs[4].ndim() == 1 && inputs[4].shape(0) > 1, explicit_ = inputs[4].ndim() == 2;
-    for (int part = 0; part < 3; ++part) {  // q and k rotated, v copied: [B, H, L, D] each
-      const int H = part == 0 ? shape.heads : shape.kv_heads, offset = part == 0 ? 0 : part == 1 ? nq : nq + nk;
-      RopeArgs a{y.data() + offset, pos, inv, ys[part], B, H, L, D, part == 2 ? 0 : shape.dims / 2,
-                 {static_cast<int64_t>(L) * N, D, N, 1}, per_row, explicit_, shape.traditional, false, shape.scale};
-      rope_tokens(a, 0, static_cast<int64_t>(B) * L);  // half 0: a plain copy into the head layout
-    }
+    QkvRows r{x, inputs[0].shape(0), inputs[0].shape(1), K, {w[0], w[1], w[2]}, inputs[1].shape(0),
+              inputs[2].shape(0), norm ? row_major(inputs.back(), wn) : nullptr, {nullptr, nullptr, nullptr},
+              row_major(inputs[4], pc), inputs[4].ndim() == 1 && inputs[4].shape(0) > 1, inputs[4].ndim() == 2,
+              row_major(inputs[5], ic), shape, {ys[0], ys[1], ys[2]}};
+    if (bias)
+      for (int i = 0; i < 3; ++i) r.bias[i] = row_major(inputs[6 + i], bc[i]);
+    qkv_rows(r);
   });
 }
 

@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "linear.h"
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 
@@ -28,6 +29,24 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const mx::array& wq, const m
                                 const std::vector<mx::array>& biases, const mx::array& positions,
                                 const mx::array& inv_freq, const QkvShape& shape,
                                 const std::vector<mx::array>& norms = {});
+
+// One qkv_rope on rows in memory (the op's task; each layer of the decoder stack): x [B * L, K]
+// row-major, normed by `norm` first where given; biases: all three or none (bias[0] null);
+// positions and inv_freq as `rope` reads them -> out: q [B, Hq, L, D], k and v [B, Hkv, L, D].
+struct QkvRows {
+  const float* x;
+  int B, L, K;
+  Weights w[3];  // wq, wk, wv
+  int nq, nk;  // their rows: Hq * D, Hkv * D
+  const float* norm;
+  const float* bias[3];
+  const int* pos;
+  bool per_row, explicit_positions;  // positions [B] (one a row) / [B, L]; else [1]
+  const float* inv;
+  QkvShape shape;
+  float* out[3];
+};
+void qkv_rows(const QkvRows& r);
 
 // x [..., K]; wg and wu [I, K] -> x @ wg.T and x @ wu.T.
 std::vector<mx::array> gate_up(const mx::array& x, const mx::array& wg, const mx::array& wu);

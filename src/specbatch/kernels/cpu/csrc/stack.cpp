@@ -1,50 +1,241 @@
 #include "stack.h"
 
-#include <optional>
+#include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 #include "attention.h"
+#include "gemv.h"
+#include "linear.h"
 #include "mlp_block.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/transforms.h"
 #include "paged_write.h"
+#include "strided.h"
 
 namespace specbatch {
 
-int layer_inputs(bool bias) { return kLayerWeights + 1 + (bias ? 3 : 0); }
+int layer_inputs(bool bias) { return 9 + (bias ? 3 : 0); }
+
+namespace {
+
+constexpr int kFixed = 5;  // h, positions, inv_freq, write_slots, read_slots (then the mask, if any)
+
+void fail(const char* what) { throw std::invalid_argument(std::string("decoder_stack: ") + what); }
+
+bool vector_of(const mx::array& a, int n) { return a.dtype() == mx::float32 && a.ndim() == 1 && a.shape(0) == n; }
+bool matrix_of(const mx::array& w, int rows, int cols) {
+  return weight_dtype_ok(w) && w.ndim() == 2 && w.shape(0) == rows && w.shape(1) == cols;
+}
+
+// Each layer's arrays against the first layer's shapes (K the model width, D a head's).
+void check_layer(const mx::array* w, const StackShape& s, int K, int D) {
+  const int nq = s.qkv.heads * D, nk = s.qkv.kv_heads * D, b = s.bias ? 3 : 0;
+  const int I = w[5 + b].ndim() == 2 ? w[5 + b].shape(0) : -1;
+  if (!vector_of(w[0], K) || !matrix_of(w[1], nq, K) || !matrix_of(w[2], nk, K) || !matrix_of(w[3], nk, K))
+    fail("norm_in [K], wq [Hq * D, K], wk and wv [Hkv * D, K]");
+  if (s.bias && (!vector_of(w[4], nq) || !vector_of(w[5], nk) || !vector_of(w[6], nk)))
+    fail("float32 biases [Hq * D], [Hkv * D], [Hkv * D]");
+  if (!vector_of(w[4 + b], K) || !matrix_of(w[5 + b], I, K) || !matrix_of(w[6 + b], I, K) ||
+      !matrix_of(w[7 + b], K, I) || !matrix_of(w[8 + b], K, nq))
+    fail("norm_post [K], wg and wu [I, K], wd [K, I], wo [K, Hq * D]");
+}
+
+void check(const mx::array& h, const std::vector<mx::array>& weights, const std::vector<float>& eps,
+           const mx::array& positions, const mx::array& inv_freq, const StackShape& s,
+           const std::vector<mx::array>& pools, const mx::array& ws, const mx::array& rs, const std::string& kind,
+           const mx::array& mask, const std::vector<int>& keep) {
+  const size_t layers = pools.size() / 2;
+  if (layers == 0 || pools.size() != 2 * layers || weights.size() != layers * layer_inputs(s.bias) ||
+      eps.size() != 2 * layers)
+    fail("per layer two pools, two eps and its weights");
+  if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(0) * h.shape(1) > kMaxRows || h.size() == 0)
+    fail("h float32 [B, L, K], at most 32 rows");
+  if (detect_isa() == Isa::none) throw std::runtime_error("decoder_stack: the CPU lacks AVX2/FMA");
+  const int B = h.shape(0), L = h.shape(1), K = h.shape(2);
+  const int D = s.qkv.heads > 0 && weights[1].ndim() == 2 ? weights[1].shape(0) / s.qkv.heads : 0;
+  if (D == 0 || D > 256 || s.qkv.kv_heads <= 0 || s.qkv.heads % s.qkv.kv_heads)
+    fail("Hq a multiple of Hkv, D <= 256");
+  for (size_t i = 0; i < layers; ++i) check_layer(weights.data() + i * layer_inputs(s.bias), s, K, D);
+  if (positions.dtype() != mx::int32 || positions.ndim() != 1 || (positions.shape(0) != 1 && positions.shape(0) != B))
+    fail("positions int32 [1] or [B]");
+  if (s.qkv.dims <= 0 || s.qkv.dims % 2 || s.qkv.dims > D || !vector_of(inv_freq, s.qkv.dims / 2))
+    fail("RoPE dims even, at most D; inv_freq [dims / 2]");
+  for (const auto& p : pools)
+    if (p.dtype() != mx::float32 || p.ndim() != 2 || p.shape(1) != s.qkv.kv_heads * D) fail("pools float32 [P, Hkv * D]");
+  if (ws.dtype() != mx::int32 || ws.ndim() != 1 || ws.shape(0) != B * L || rs.dtype() != mx::int32 || rs.ndim() != 2 ||
+      rs.shape(0) != B)
+    fail("write_slots int32 [B * L], read_slots int32 [B, T]");
+  const int T = rs.shape(1);
+  if (kind == "causal" ? L > T : kind == "array" ? (mask.dtype() != mx::bool_ || mask.ndim() != 4 ||
+                                                    mask.shape(1) != 1 || mask.shape(2) != L || mask.shape(3) != T ||
+                                                    (mask.shape(0) != 1 && mask.shape(0) != B))
+                                                 : !kind.empty())
+    fail("mask '', 'causal' (L <= T) or 'array' (bool [B or 1, 1, L, T])");
+  for (int i : keep)
+    if (i < 0 || static_cast<size_t>(i) >= layers) fail("keep names a layer");
+}
+
+}  // namespace
 
 std::vector<mx::array> decoder_stack(const mx::array& h, const std::vector<mx::array>& weights,
                                      const std::vector<float>& eps, const mx::array& positions,
                                      const mx::array& inv_freq, const StackShape& shape,
-                                     std::vector<mx::array> pools, const mx::array& write_slots,
+                                     const std::vector<mx::array>& pools, const mx::array& write_slots,
                                      const mx::array& read_slots, const std::string& mask_kind,
                                      const mx::array& mask, const std::vector<int>& keep) {
-  const int per = layer_inputs(shape.bias);
-  const size_t layers = pools.size() / 2;
-  if (layers == 0 || pools.size() != 2 * layers || weights.size() != layers * per || eps.size() != 2 * layers)
-    throw std::invalid_argument("decoder_stack: per layer two pools, two eps and its weights");
-  for (int i : keep)
-    if (i < 0 || static_cast<size_t>(i) >= layers) throw std::invalid_argument("decoder_stack: keep names a layer");
-  std::vector<bool> wanted(layers, false);
-  for (int i : keep) wanted[i] = true;
-  std::vector<std::optional<mx::array>> after(layers);  // the kept layers' outputs
-  mx::array x = h;
-  for (size_t i = 0; i < layers; ++i) {
-    const mx::array* w = weights.data() + i * per;
-    const int b = shape.bias ? 3 : 0;  // the biases sit after wv
-    QkvShape qkv = shape.qkv;
-    qkv.eps = eps[2 * i];
-    std::vector<mx::array> biases(w + 4, w + 4 + b);
-    auto q_k_v = qkv_rope(x, w[1], w[2], w[3], biases, positions, inv_freq, qkv, {w[0]});
-    pools[2 * i] = paged_write(pools[2 * i], write_slots, q_k_v[1]);
-    pools[2 * i + 1] = paged_write(pools[2 * i + 1], write_slots, q_k_v[2]);
-    auto heads = paged_attention(q_k_v[0], pools[2 * i], pools[2 * i + 1], read_slots, shape.attn_scale, mask_kind,
-                                 mask, true);  // [B, L, Hq * D]
-    x = mlp_block(x, heads, w[4 + b], eps[2 * i + 1], w[5 + b], w[6 + b], w[7 + b], w[8 + b]);
-    if (wanted[i]) after[i] = x;
+  check(h, weights, eps, positions, inv_freq, shape, pools, write_slots, read_slots, mask_kind, mask, keep);
+  // The weights are constants the op holds, not inputs: each of a many-output op's outputs copies
+  // its inputs (~430 a step, 63 outputs), and the graph would walk them every step.
+  std::vector<mx::array> pending;
+  for (const auto& w : weights)
+    if (!w.is_available()) pending.push_back(w);
+  if (!pending.empty()) mx::eval(pending);
+  auto s = mx::default_stream(mx::Device::cpu);
+  const bool masked = mask_kind == "array";
+  std::vector<mx::array> inputs{h, positions, inv_freq, write_slots, read_slots};
+  if (masked) inputs.push_back(mask);
+  inputs.insert(inputs.end(), pools.begin(), pools.end());
+  std::vector<mx::Shape> shapes(1 + keep.size(), h.shape());
+  for (const auto& p : pools) shapes.push_back(p.shape());
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  auto op = std::make_shared<DecoderStack>(s, shape, weights, eps, keep, mask_kind == "causal", masked);
+  return mx::array::make_arrays(std::move(shapes), dtypes, op, inputs);
+}
+
+namespace {
+
+// One call's layout: where each input sits, the shapes every layer shares.
+struct Layout {
+  int B, L, K, D, Hq, Hkv, T, layers, per;
+  size_t pools;  // the first pool's input
+};
+
+Layout layout_of(const std::vector<mx::array>& in, const std::vector<mx::array>& weights, const StackShape& s,
+                 bool masked) {
+  Layout l{};
+  l.B = in[0].shape(0), l.L = in[0].shape(1), l.K = in[0].shape(2);
+  l.Hq = s.qkv.heads, l.Hkv = s.qkv.kv_heads, l.T = in[4].shape(1), l.per = layer_inputs(s.bias);
+  l.pools = kFixed + (masked ? 1 : 0);
+  l.layers = static_cast<int>(weights.size() / l.per);
+  l.D = weights[1].shape(0) / l.Hq;
+  return l;
+}
+
+// Paged attention of one layer, merged heads out, as the Attention op sets up its call.
+void attend(const Layout& l, const float* q, const float* kp, const float* vp, int64_t pool_rows,
+            const int32_t* slots, const mx::array* mask, const StackShape& s, bool causal, float* out) {
+  AttentionArgs a{};
+  a.B = l.B, a.Hq = l.Hq, a.L = l.L, a.D = l.D, a.Hkv = l.Hkv, a.T = l.T;
+  a.scale = s.attn_scale, a.causal = causal, a.out = out;
+  a.os[0] = static_cast<int64_t>(l.Hq) * l.L * l.D, a.os[1] = l.D, a.os[2] = static_cast<int64_t>(l.Hq) * l.D;
+  a.q = q, a.qs[0] = static_cast<int64_t>(l.Hq) * l.L * l.D, a.qs[1] = static_cast<int64_t>(l.L) * l.D, a.qs[2] = l.D;
+  a.k = kp, a.v = vp, a.slots = slots, a.slot_stride = l.T;
+  a.ks[0] = a.vs[0] = 0, a.ks[1] = a.vs[1] = l.D, a.ks[2] = a.vs[2] = static_cast<int64_t>(l.Hkv) * l.D;
+  if (mask) {
+    a.mask = mask->data<bool>();
+    a.ms[0] = mask->shape(0) == 1 ? 0 : mask->strides(0), a.ms[1] = mask->strides(2), a.ms[2] = mask->strides(3);
   }
-  std::vector<mx::array> out{x};
-  for (int i : keep) out.push_back(*after[i]);
-  out.insert(out.end(), pools.begin(), pools.end());
-  return out;
+  if (!slots_valid(slots, static_cast<int64_t>(l.B) * l.T, pool_rows)) {  // a table bug: NaN, never a stray read
+    std::fill(out, out + static_cast<int64_t>(l.B) * l.Hq * l.L * l.D, std::nanf(""));
+    return;
+  }
+  attention_run(a);
+}
+
+}  // namespace
+
+// The layers in turn on the pool (the op's task): ys = {the output, the kept outputs, the pools}.
+void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float*>& ys) const {
+  const Layout l = layout_of(in, weights_, shape_, masked_);
+  const int M = l.B * l.L, nq = l.Hq * l.D, nk = l.Hkv * l.D;
+  std::vector<float> hc, ic, bc[3], nc[2];
+  std::vector<int> pc, wc, rc;
+  const int* pos = row_major(in[1], pc);
+  const float* inv = row_major(in[2], ic);
+  const int32_t* ws = row_major(in[3], wc);
+  const int32_t* rs = row_major(in[4], rc);
+  std::vector<float> q(static_cast<size_t>(M) * nq), k(static_cast<size_t>(M) * nk), v(k.size()), heads(q.size());
+  std::vector<float> buf[2] = {std::vector<float>(static_cast<size_t>(M) * l.K), std::vector<float>(M * l.K)};
+  const float* x = row_major(in[0], hc);
+  const size_t out_pools = 1 + keep_.size();
+  for (int i = 0; i < l.layers; ++i) {
+    const mx::array* w = weights_.data() + static_cast<size_t>(i) * l.per;
+    const int b = shape_.bias ? 3 : 0;
+    WeightCopy c[7];
+    QkvShape qs = shape_.qkv;
+    qs.eps = eps_[2 * i];
+    QkvRows r{x, l.B, l.L, l.K, {weights_of(w[1], c[0]), weights_of(w[2], c[1]), weights_of(w[3], c[2])}, nq, nk,
+              row_major(w[0], nc[0]), {nullptr, nullptr, nullptr}, pos, in[1].shape(0) > 1, false, inv, qs,
+              {q.data(), k.data(), v.data()}};
+    for (int j = 0; j < b; ++j) r.bias[j] = row_major(w[4 + j], bc[j]);
+    qkv_rows(r);
+    float* kp = ys[out_pools + 2 * i];
+    float* vp = ys[out_pools + 2 * i + 1];
+    const int64_t P = in[l.pools + 2 * i].shape(0);
+    paged_rows(k.data(), ws, l.B, l.Hkv, l.L, l.D, P, kp);
+    paged_rows(v.data(), ws, l.B, l.Hkv, l.L, l.D, P, vp);
+    attend(l, q.data(), kp, vp, P, rs, masked_ ? &in[kFixed] : nullptr, shape_, causal_, heads.data());
+    float* y = i + 1 == l.layers ? ys[0] : buf[i % 2].data();
+    const Weights wo = weights_of(w[8 + b], c[6]);
+    mlp_rows(x, heads.data(), M, l.K, w[5 + b].shape(0), nq, row_major(w[4 + b], nc[1]), eps_[2 * i + 1],
+             weights_of(w[5 + b], c[3]), weights_of(w[6 + b], c[4]), weights_of(w[7 + b], c[5]), &wo, y);
+    for (size_t j = 0; j < keep_.size(); ++j)
+      if (keep_[j] == i) std::memcpy(ys[1 + j], y, sizeof(float) * M * l.K);
+    x = y;
+  }
+}
+
+void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  // Each output holds its own copy of the inputs, so no input of a many-output op is ever
+  // donatable; MLX drops the copies once the op has run, so the siblings' go now, and a pool
+  // this op alone holds is written in place (the caller dropped it: StackWrite.commit).
+  if (!outputs[0].is_tracer())
+    for (auto& o : outputs)
+      if (&o.inputs() != &inputs) o.inputs().clear();
+  const Layout l = layout_of(inputs, weights_, shape_, masked_);
+  const size_t out_pools = 1 + keep_.size();
+  std::vector<mx::array> copied;  // pools another reference holds: copied first, then written
+  std::vector<float*> copy_to;
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    auto& out = outputs[j];
+    const mx::array* pool = j >= out_pools ? &inputs[l.pools + j - out_pools] : nullptr;
+    if (pool && pool->is_donatable() && pool->flags().row_contiguous) {
+      out.copy_shared_buffer(*pool);
+      continue;
+    }
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    if (pool) copied.push_back(mx::array::unsafe_weak_copy(*pool)), copy_to.push_back(out.data<float>()), paged_write_copied();
+  }
+  std::vector<float*> ys;
+  for (auto& out : outputs) ys.push_back(out.data<float>());
+  std::vector<mx::array> weak;  // as MLX's own ops capture: MLX keeps the buffers until the task ran
+  for (const auto& in : inputs) weak.push_back(mx::array::unsafe_weak_copy(in));
+  auto op = std::static_pointer_cast<DecoderStack>(outputs[0].primitive_ptr());
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.dispatch([op, in = std::move(weak), copied = std::move(copied), copy_to = std::move(copy_to), ys]() {
+    for (size_t j = 0; j < copied.size(); ++j) {  // inputs are ready only inside the task
+      std::vector<float> c;
+      std::memcpy(copy_to[j], row_major(copied[j], c), copied[j].nbytes());
+    }
+    op->run(in, ys);
+  });
+}
+
+bool DecoderStack::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const DecoderStack&>(other);
+  const auto& a = shape_.qkv;
+  const auto& b = o.shape_.qkv;
+  return a.heads == b.heads && a.kv_heads == b.kv_heads && a.dims == b.dims && a.traditional == b.traditional &&
+         a.scale == b.scale && shape_.attn_scale == o.shape_.attn_scale && shape_.bias == o.shape_.bias &&
+         eps_ == o.eps_ && keep_ == o.keep_ && causal_ == o.causal_ && masked_ == o.masked_ &&
+         std::equal(weights_.begin(), weights_.end(), o.weights_.begin(), o.weights_.end(),
+                    [](const mx::array& x, const mx::array& y) { return x.id() == y.id(); });
+}
+
+void DecoderStack::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("SpecbatchDecoderStack runs on the CPU only");
 }
 
 }  // namespace specbatch

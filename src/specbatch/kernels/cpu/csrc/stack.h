@@ -1,14 +1,16 @@
-// A llama-family decoder stack's decode or verify forward over a paged KV cache, its graph
-// built in one call: the ops and order the Python stack takes layer by layer (qkv_rope with
-// the input norm, the two paged writes, paged attention, mlp_block with the output
-// projection), so every bit is the same, without ~25 us of Python a layer (0.75-0.85 ms of a
-// ~8 ms width-1 step, serial with compute).
+// A llama-family decoder stack's decode or verify forward over a paged KV cache as one MLX op:
+// per layer the input norm with q, k and v and RoPE, the two paged writes, paged attention and
+// the block's second half (mlp_block with the output projection), the functions the separate
+// ops run in the order the Python stack builds them, so every bit is the same. A width-1 step
+// was ~150 ops: their graph built in Python (~25 us a layer, 0.75-0.85 ms), then scheduled one
+// by one on the caller's thread (~4 us each), while the step's compute ran on both cores.
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "mlx/array.h"
+#include "mlx/primitives.h"
 #include "projections.h"
 
 namespace specbatch {
@@ -22,21 +24,41 @@ struct StackShape {
   bool bias;
 };
 
-// The weights a layer hands over, in this order (biases only where StackShape::bias).
-constexpr int kLayerWeights = 8;  // norm_in, wq, wk, wv, norm_post, wg, wu, wd (+ wo below)
-int layer_inputs(bool bias);  // arrays a layer takes: the 8, wo, and 3 biases with bias
+// Arrays a layer hands over: norm_in, wq, wk, wv, [bq, bk, bv], norm_post, wg, wu, wd, wo.
+int layer_inputs(bool bias);
 
-// h [B, L, K] (the embeddings); weights: each layer's layer_inputs() arrays in the order
-// norm_in, wq, wk, wv, [bq, bk, bv], norm_post, wg, wu, wd, wo; eps: each layer's (input,
-// post-attention) norm eps, 2 a layer; pools: each layer's key then value pool [P, Hkv * D];
-// write_slots int32 [B * L] (the new tokens' slots), read_slots int32 [B, T] (every token's
-// after them); mask as `paged_attention` takes it; keep: layers whose outputs come back.
-// -> {the last layer's output, the kept layers' outputs, the pools written (2 a layer)}.
+// h [B, L, K] (the embeddings, at most kMaxRows rows); weights: each layer's layer_inputs()
+// arrays in that order; eps: each layer's (input, post-attention) norm eps; positions int32
+// [1] / [B] (each row's first new position); pools: each layer's key then value pool [P, Hkv * D]
+// float32; write_slots int32 [B * L] (the new tokens' slots), read_slots int32 [B, T] (every
+// token's after them); mask_kind '', 'causal' or 'array' (a bool mask [B or 1, 1, L, T]); keep:
+// layers whose outputs come back. -> {the last layer's output, the kept layers', the pools
+// written (2 a layer)}: one op. A pool the op alone holds is written in place (donated).
 std::vector<mx::array> decoder_stack(const mx::array& h, const std::vector<mx::array>& weights,
                                      const std::vector<float>& eps, const mx::array& positions,
                                      const mx::array& inv_freq, const StackShape& shape,
-                                     std::vector<mx::array> pools, const mx::array& write_slots,
+                                     const std::vector<mx::array>& pools, const mx::array& write_slots,
                                      const mx::array& read_slots, const std::string& mask_kind,
                                      const mx::array& mask, const std::vector<int>& keep);
+
+class DecoderStack : public mx::Primitive {
+ public:
+  DecoderStack(mx::Stream stream, StackShape shape, std::vector<mx::array> weights, std::vector<float> eps,
+               std::vector<int> keep, bool causal, bool masked)
+      : mx::Primitive(stream), shape_(shape), weights_(std::move(weights)), eps_(std::move(eps)),
+        keep_(std::move(keep)), causal_(causal), masked_(masked) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "SpecbatchDecoderStack"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  void run(const std::vector<mx::array>& inputs, const std::vector<float*>& ys) const;
+  StackShape shape_;
+  std::vector<mx::array> weights_;  // evaluated constants, held here rather than as inputs
+  std::vector<float> eps_;
+  std::vector<int> keep_;
+  bool causal_, masked_;  // masked_: inputs[5] is the bool mask
+};
 
 }  // namespace specbatch
