@@ -1,7 +1,7 @@
 """The decoder stack with its checks made once (kernels.cpu.stack): every forward it takes gives
 the bits the model's own call gives (the per-layer fused path), over dense, ragged and paged
-caches, with kept layers; over a paged cache its graph is built in one ``decoder_stack`` call,
-with the same bits, pools, lengths and table; every forward it cannot take is left to the
+caches, with kept layers; over a paged cache or KVCache buffers it is one ``decoder_stack`` op,
+with the same bits, buffers, lengths and table; every forward it cannot take is left to the
 model, nothing built."""
 
 from __future__ import annotations
@@ -44,12 +44,14 @@ def test_the_stack_gives_the_models_own_bits(name, request, monkeypatch):
     assert plan is not None and len(plan.layers) == len(model.layers)
     fast, slow = ModelRunner(model), ModelRunner(model)
     slow._stack = False  # the model's own call: every layer's checks, then the same ops
-    calls = []
-    original = stack.LayerPlan.__call__
+    calls, ops = [], []
+    original, op = stack.LayerPlan.__call__, cpu.extension().decoder_stack
     monkeypatch.setattr(stack.LayerPlan, "__call__", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(cpu.extension(), "decoder_stack", lambda *a: ops.append(1) or op(*a))
     got, cache = _forwards(fast, STEPS)
     want, own = _forwards(slow, STEPS)
-    assert len(calls) == len(STEPS) * len(model.layers)
+    # the first forward fills an empty KVCache layer by layer; the others are one op each
+    assert len(calls) == len(model.layers) and len(ops) == len(STEPS) - 1
     for (a, _), (b, _) in zip(got, want):
         assert mx.array_equal(a, b).item()
     assert all(mx.array_equal(c.keys[..., :c.offset, :], d.keys[..., :d.offset, :]).item() for c, d in zip(cache, own))
@@ -149,7 +151,7 @@ def test_paged_forwards_build_in_one_call_with_the_layers_bits(name, request, mo
     got, kv = _paged_forwards(fast, PAGED, TRIMS)
     assert ext.paged_write_copies() == copies
     assert len(calls) == len(PAGED) - 1  # the 20-token prompt is wider than the small-M kernels
-    monkeypatch.setattr(stack.Stack, "_paged", lambda *a: None)
+    monkeypatch.setattr(stack.Stack, "_whole", lambda *a: None)
     want, own = _paged_forwards(slow, PAGED, TRIMS)
     for (a, ka), (b, kb) in zip(got, want):
         assert mx.array_equal(a, b).item() and mx.array_equal(ka, kb).item()
@@ -160,14 +162,29 @@ def test_paged_forwards_build_in_one_call_with_the_layers_bits(name, request, mo
 
 @needs_kernels
 def test_decoder_stack_refuses_inputs_that_do_not_fit(tiny):
-    ext = cpu.extension()
-    h = mx.zeros((1, 1, tiny.model.args.hidden_size))
-    pool = mx.zeros((16, 64))
-    slots = mx.zeros((1,), dtype=mx.int32)
-    args = (h, [], [1e-5, 1e-5], slots, mx.ones((8,)), 4, 1, 16, False, 1.0, 0.25, False, [pool, pool], slots,
-            slots.reshape(1, 1), "", mx.array(False), [])
-    with pytest.raises(ValueError, match="per layer two pools"):
-        ext.decoder_stack(*args)
+    """Wrong counts, a dense buffer without room, slots of the wrong shape: a clear error at
+    build time, nothing run."""
+    ext, model = cpu.extension(), tiny.model
+    plan = stack.Stack.of(model)
+    weights = [m[k] for m, k in zip(*plan.sources)]
+    heads, kv_heads, head_dim, dims, traditional, rope_scale, attn_scale, bias = plan.shared
+    h = mx.zeros((1, 2, model.args.hidden_size))
+    dense = [mx.zeros((1, kv_heads, 8, head_dim))] * (2 * len(model.layers))
+    pools = [mx.zeros((16, kv_heads * head_dim))] * (2 * len(model.layers))
+    slots = mx.zeros((2,), dtype=mx.int32)
+
+    def call(weights=weights, eps=plan.eps, buffers=dense, write=None, read=None, start=0):
+        return ext.decoder_stack(h, weights, list(eps), mx.array([start], dtype=mx.int32),
+                                 plan.layers[0].rope["_sb_inv_freq"], heads, kv_heads, dims, traditional, rope_scale,
+                                 attn_scale, bias, buffers, write, read, start, "causal", mx.array(False), [])
+
+    assert call()[0].shape == h.shape  # fits: built
+    with pytest.raises(ValueError, match="two KV buffers, two eps and its weights"):
+        call(weights=weights[:-1])
+    with pytest.raises(ValueError, match="with room for the tokens"):
+        call(start=7)
+    with pytest.raises(ValueError, match="write_slots int32"):
+        call(buffers=pools, write=slots, read=slots)
 
 
 @needs_kernels

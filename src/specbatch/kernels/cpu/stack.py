@@ -27,7 +27,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..paged_stack import StackWrite
+from ..stack_kv import StackWrite
 from . import _NO_MASK, MAX_ROWS, _active, rope_positions
 from .fused import MODULES, _append_and_attend
 from .half import weight_ok
@@ -163,7 +163,7 @@ class Stack:
             return None
         caches = cache if cache is not None else [None] * len(self.layers)
         mask = sys.modules[type(self.inner).__module__].create_attention_mask(h, caches[self.mask_cache])
-        whole = self._paged(ext, h, mask, cache, keep) if cache is not None and self.shared else None
+        whole = self._whole(ext, h, mask, cache, keep) if cache is not None and self.shared else None
         if whole is not None:
             return self.inner["norm"](whole[0]), whole[1]
         kept, last, positions = {}, None, None
@@ -176,9 +176,10 @@ class Stack:
                 kept[i] = h
         return self.inner["norm"](h), [kept[i] for i in keep]
 
-    def _paged(self, ext, h: mx.array, mask, cache: list, keep: tuple[int, ...]):
-        """(the last layer's output, the kept layers') over a paged cache as one ``decoder_stack``
-        op; None (nothing built or appended) where the cache or the mask is another kind."""
+    def _whole(self, ext, h: mx.array, mask, cache: list, keep: tuple[int, ...]):
+        """(the last layer's output, the kept layers') as one ``decoder_stack`` op over a paged
+        cache or mlx-lm ``KVCache`` buffers (``StackWrite``); None (nothing built or appended)
+        where the cache or the mask is another kind."""
         kind = "" if mask is None else mask if isinstance(mask, str) else "array"
         if kind not in ("", "causal") and not (kind == "array" and mask.dtype == mx.bool_ and mask.ndim == 4
                                                and mask.shape[1] == 1):
@@ -188,16 +189,15 @@ class Stack:
             return None
         positions = rope_positions(cache[0].offset)  # each row's first new position, before the writes
         B, L = h.shape[:2]
-        write = StackWrite.plan(cache, L, kv_heads, head_dim)
+        write = StackWrite.of(cache, L, kv_heads, head_dim)
         if write is None:
             return None
-        T = write.read_slots.shape[1]
-        if kind == "array" and mask.shape[2:] != (L, T):
-            mask = mx.broadcast_to(mask, (mask.shape[0], 1, L, T))
+        if kind == "array" and mask.shape[2:] != (L, write.end):
+            mask = mx.broadcast_to(mask, (mask.shape[0], 1, L, write.end))
         weights = list(map(getitem, *self.sources))
-        out = ext.decoder_stack(h, weights, self.eps, positions, self.layers[0].rope["_sb_inv_freq"], heads, kv_heads, dims,
-                                traditional, rope_scale, attn_scale, bias, write.pools, write.write_slots,
-                                write.read_slots, kind, mask if kind == "array" else _NO_MASK, list(keep))
+        out = ext.decoder_stack(h, weights, self.eps, positions, self.layers[0].rope["_sb_inv_freq"], heads, kv_heads,
+                                dims, traditional, rope_scale, attn_scale, bias, write.buffers, write.write_slots,
+                                write.read_slots, write.start, kind, mask if kind == "array" else _NO_MASK, list(keep))
         n = 1 + len(keep)
         write.commit(out[n:])
         return out[0], out[1:n]

@@ -57,18 +57,20 @@ NB_MODULE(_ext, m) {
   m.def("decoder_stack", [](const mx::array& h, const std::vector<mx::array>& weights, const std::vector<float>& eps,
                             const mx::array& positions, const mx::array& inv_freq, int heads, int kv_heads, int dims,
                             bool traditional, float rope_scale, float attn_scale, bool bias,
-                            const std::vector<mx::array>& pools, const mx::array& write_slots,
-                            const mx::array& read_slots, const std::string& mask_kind, const mx::array& mask,
-                            const std::vector<int>& keep) {
+                            const std::vector<mx::array>& buffers, const std::optional<mx::array>& write_slots,
+                            const std::optional<mx::array>& read_slots, int start, const std::string& mask_kind,
+                            const mx::array& mask, const std::vector<int>& keep) {
           const specbatch::StackShape shape{{heads, kv_heads, dims, traditional, rope_scale}, attn_scale, bias};
-          return specbatch::decoder_stack(h, weights, eps, positions, inv_freq, shape, pools, write_slots, read_slots,
-                                          mask_kind, mask, keep);
+          return specbatch::decoder_stack(h, weights, eps, positions, inv_freq, shape,
+                                          specbatch::StackKV{buffers, write_slots, read_slots, start}, mask_kind,
+                                          mask, keep);
         }, nb::arg("h"), nb::arg("weights"), nb::arg("eps"), nb::arg("positions"), nb::arg("inv_freq"),
         nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"), nb::arg("rope_scale"),
-        nb::arg("attn_scale"), nb::arg("bias"), nb::arg("pools"), nb::arg("write_slots"), nb::arg("read_slots"),
-        nb::arg("mask_kind"), nb::arg("mask"), nb::arg("keep"),
-        "a decoder stack's forward over a paged cache, its graph built in one call (the per-layer ops in their "
-        "order): [the last layer's output, the kept layers', the written pools]");
+        nb::arg("attn_scale"), nb::arg("bias"), nb::arg("buffers"), nb::arg("write_slots").none(),
+        nb::arg("read_slots").none(), nb::arg("start"), nb::arg("mask_kind"), nb::arg("mask"), nb::arg("keep"),
+        "a decoder stack's decode or verify forward as one op, over a paged cache (buffers: pools, with slots) or "
+        "dense KVCache buffers (from column `start`): [the last layer's output, the kept layers', the written "
+        "buffers]");
   m.def("stack_layer_inputs", &specbatch::layer_inputs, nb::arg("bias"), "arrays a layer hands decoder_stack");
   m.def("gate_up", &specbatch::gate_up, nb::arg("x"), nb::arg("wg"), nb::arg("wu"),
         "x @ wg.T and x @ wu.T in one op for up to 32 rows");

@@ -20,7 +20,7 @@ int layer_inputs(bool bias) { return 9 + (bias ? 3 : 0); }
 
 namespace {
 
-constexpr int kFixed = 5;  // h, positions, inv_freq, write_slots, read_slots (then the mask, if any)
+constexpr int kFixed = 3;  // h, positions, inv_freq (then the slots where paged, the mask where given)
 
 void fail(const char* what) { throw std::invalid_argument(std::string("decoder_stack: ") + what); }
 
@@ -42,14 +42,30 @@ void check_layer(const mx::array* w, const StackShape& s, int K, int D) {
     fail("norm_post [K], wg and wu [I, K], wd [K, I], wo [K, Hq * D]");
 }
 
+// The KV buffers against the forward (B rows of L tokens, D a head's size); T: the keys attended.
+int check_kv(const StackKV& kv, int B, int L, int Hkv, int D) {
+  for (const auto& p : kv.buffers) {
+    const bool fits = kv.paged() ? p.ndim() == 2 && p.shape(1) == Hkv * D
+                                 : p.ndim() == 4 && p.shape(0) == B && p.shape(1) == Hkv && p.shape(3) == D &&
+                                       kv.start >= 0 && kv.start + L <= p.shape(2);
+    if (p.dtype() != mx::float32 || !fits)
+      fail("KV buffers float32: pools [P, Hkv * D], or dense [B, Hkv, C, D] with room for the tokens");
+  }
+  if (!kv.paged()) return kv.start + L;
+  const auto& ws = *kv.write_slots;
+  if (!kv.read_slots || ws.dtype() != mx::int32 || ws.ndim() != 1 || ws.shape(0) != B * L ||
+      kv.read_slots->dtype() != mx::int32 || kv.read_slots->ndim() != 2 || kv.read_slots->shape(0) != B)
+    fail("write_slots int32 [B * L], read_slots int32 [B, T]");
+  return kv.read_slots->shape(1);
+}
+
 void check(const mx::array& h, const std::vector<mx::array>& weights, const std::vector<float>& eps,
-           const mx::array& positions, const mx::array& inv_freq, const StackShape& s,
-           const std::vector<mx::array>& pools, const mx::array& ws, const mx::array& rs, const std::string& kind,
-           const mx::array& mask, const std::vector<int>& keep) {
-  const size_t layers = pools.size() / 2;
-  if (layers == 0 || pools.size() != 2 * layers || weights.size() != layers * layer_inputs(s.bias) ||
+           const mx::array& positions, const mx::array& inv_freq, const StackShape& s, const StackKV& kv,
+           const std::string& kind, const mx::array& mask, const std::vector<int>& keep) {
+  const size_t layers = kv.buffers.size() / 2;
+  if (layers == 0 || kv.buffers.size() != 2 * layers || weights.size() != layers * layer_inputs(s.bias) ||
       eps.size() != 2 * layers)
-    fail("per layer two pools, two eps and its weights");
+    fail("per layer two KV buffers, two eps and its weights");
   if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(0) * h.shape(1) > kMaxRows || h.size() == 0)
     fail("h float32 [B, L, K], at most 32 rows");
   if (detect_isa() == Isa::none) throw std::runtime_error("decoder_stack: the CPU lacks AVX2/FMA");
@@ -62,12 +78,7 @@ void check(const mx::array& h, const std::vector<mx::array>& weights, const std:
     fail("positions int32 [1] or [B]");
   if (s.qkv.dims <= 0 || s.qkv.dims % 2 || s.qkv.dims > D || !vector_of(inv_freq, s.qkv.dims / 2))
     fail("RoPE dims even, at most D; inv_freq [dims / 2]");
-  for (const auto& p : pools)
-    if (p.dtype() != mx::float32 || p.ndim() != 2 || p.shape(1) != s.qkv.kv_heads * D) fail("pools float32 [P, Hkv * D]");
-  if (ws.dtype() != mx::int32 || ws.ndim() != 1 || ws.shape(0) != B * L || rs.dtype() != mx::int32 || rs.ndim() != 2 ||
-      rs.shape(0) != B)
-    fail("write_slots int32 [B * L], read_slots int32 [B, T]");
-  const int T = rs.shape(1);
+  const int T = check_kv(kv, B, L, s.qkv.kv_heads, D);
   if (kind == "causal" ? L > T : kind == "array" ? (mask.dtype() != mx::bool_ || mask.ndim() != 4 ||
                                                     mask.shape(1) != 1 || mask.shape(2) != L || mask.shape(3) != T ||
                                                     (mask.shape(0) != 1 && mask.shape(0) != B))
@@ -81,11 +92,10 @@ void check(const mx::array& h, const std::vector<mx::array>& weights, const std:
 
 std::vector<mx::array> decoder_stack(const mx::array& h, const std::vector<mx::array>& weights,
                                      const std::vector<float>& eps, const mx::array& positions,
-                                     const mx::array& inv_freq, const StackShape& shape,
-                                     const std::vector<mx::array>& pools, const mx::array& write_slots,
-                                     const mx::array& read_slots, const std::string& mask_kind,
-                                     const mx::array& mask, const std::vector<int>& keep) {
-  check(h, weights, eps, positions, inv_freq, shape, pools, write_slots, read_slots, mask_kind, mask, keep);
+                                     const mx::array& inv_freq, const StackShape& shape, const StackKV& kv,
+                                     const std::string& mask_kind, const mx::array& mask,
+                                     const std::vector<int>& keep) {
+  check(h, weights, eps, positions, inv_freq, shape, kv, mask_kind, mask, keep);
   // The weights are constants the op holds, not inputs: each of a many-output op's outputs copies
   // its inputs (~430 a step, 63 outputs), and the graph would walk them every step.
   std::vector<mx::array> pending;
@@ -94,13 +104,15 @@ std::vector<mx::array> decoder_stack(const mx::array& h, const std::vector<mx::a
   if (!pending.empty()) mx::eval(pending);
   auto s = mx::default_stream(mx::Device::cpu);
   const bool masked = mask_kind == "array";
-  std::vector<mx::array> inputs{h, positions, inv_freq, write_slots, read_slots};
+  std::vector<mx::array> inputs{h, positions, inv_freq};
+  if (kv.paged()) inputs.push_back(*kv.write_slots), inputs.push_back(*kv.read_slots);
   if (masked) inputs.push_back(mask);
-  inputs.insert(inputs.end(), pools.begin(), pools.end());
+  inputs.insert(inputs.end(), kv.buffers.begin(), kv.buffers.end());
   std::vector<mx::Shape> shapes(1 + keep.size(), h.shape());
-  for (const auto& p : pools) shapes.push_back(p.shape());
+  for (const auto& p : kv.buffers) shapes.push_back(p.shape());
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
-  auto op = std::make_shared<DecoderStack>(s, shape, weights, eps, keep, mask_kind == "causal", masked);
+  auto op = std::make_shared<DecoderStack>(s, shape, weights, eps, keep, mask_kind == "causal", masked, kv.paged(),
+                                           kv.paged() ? 0 : kv.start);
   return mx::array::make_arrays(std::move(shapes), dtypes, op, inputs);
 }
 
@@ -109,35 +121,50 @@ namespace {
 // One call's layout: where each input sits, the shapes every layer shares.
 struct Layout {
   int B, L, K, D, Hq, Hkv, T, layers, per;
-  size_t pools;  // the first pool's input
+  size_t mask, kv;  // the mask's input, the first KV buffer's
 };
 
 Layout layout_of(const std::vector<mx::array>& in, const std::vector<mx::array>& weights, const StackShape& s,
-                 bool masked) {
+                 bool masked, bool paged, int start) {
   Layout l{};
   l.B = in[0].shape(0), l.L = in[0].shape(1), l.K = in[0].shape(2);
-  l.Hq = s.qkv.heads, l.Hkv = s.qkv.kv_heads, l.T = in[4].shape(1), l.per = layer_inputs(s.bias);
-  l.pools = kFixed + (masked ? 1 : 0);
+  l.Hq = s.qkv.heads, l.Hkv = s.qkv.kv_heads, l.per = layer_inputs(s.bias);
+  l.T = paged ? in[kFixed + 1].shape(1) : start + l.L;
+  l.mask = kFixed + (paged ? 2 : 0);
+  l.kv = l.mask + (masked ? 1 : 0);
   l.layers = static_cast<int>(weights.size() / l.per);
   l.D = weights[1].shape(0) / l.Hq;
   return l;
 }
 
-// Paged attention of one layer, merged heads out, as the Attention op sets up its call.
-void attend(const Layout& l, const float* q, const float* kp, const float* vp, int64_t pool_rows,
+// A forward's keys (or values) [B, H, L, D] into a dense buffer [B, H, C, D] from column start.
+void dense_rows(const float* x, int B, int H, int L, int D, int C, int start, float* buf) {
+  for (int64_t bh = 0; bh < static_cast<int64_t>(B) * H; ++bh)
+    std::memcpy(buf + (bh * C + start) * D, x + bh * L * D, sizeof(float) * L * D);
+}
+
+// One layer's attention, merged heads out, as the Attention op sets up its call: over a paged
+// pool through slots (C = 0), or a dense buffer's first T keys (C its columns).
+void attend(const Layout& l, const float* q, const float* kp, const float* vp, int64_t rows, int C,
             const int32_t* slots, const mx::array* mask, const StackShape& s, bool causal, float* out) {
   AttentionArgs a{};
   a.B = l.B, a.Hq = l.Hq, a.L = l.L, a.D = l.D, a.Hkv = l.Hkv, a.T = l.T;
   a.scale = s.attn_scale, a.causal = causal, a.out = out;
   a.os[0] = static_cast<int64_t>(l.Hq) * l.L * l.D, a.os[1] = l.D, a.os[2] = static_cast<int64_t>(l.Hq) * l.D;
   a.q = q, a.qs[0] = static_cast<int64_t>(l.Hq) * l.L * l.D, a.qs[1] = static_cast<int64_t>(l.L) * l.D, a.qs[2] = l.D;
-  a.k = kp, a.v = vp, a.slots = slots, a.slot_stride = l.T;
-  a.ks[0] = a.vs[0] = 0, a.ks[1] = a.vs[1] = l.D, a.ks[2] = a.vs[2] = static_cast<int64_t>(l.Hkv) * l.D;
+  a.k = kp, a.v = vp;
+  if (slots) {
+    a.slots = slots, a.slot_stride = l.T;
+    a.ks[0] = a.vs[0] = 0, a.ks[1] = a.vs[1] = l.D, a.ks[2] = a.vs[2] = static_cast<int64_t>(l.Hkv) * l.D;
+  } else {
+    a.ks[0] = a.vs[0] = static_cast<int64_t>(l.Hkv) * C * l.D, a.ks[1] = a.vs[1] = static_cast<int64_t>(C) * l.D;
+    a.ks[2] = a.vs[2] = l.D;
+  }
   if (mask) {
     a.mask = mask->data<bool>();
     a.ms[0] = mask->shape(0) == 1 ? 0 : mask->strides(0), a.ms[1] = mask->strides(2), a.ms[2] = mask->strides(3);
   }
-  if (!slots_valid(slots, static_cast<int64_t>(l.B) * l.T, pool_rows)) {  // a table bug: NaN, never a stray read
+  if (slots && !slots_valid(slots, static_cast<int64_t>(l.B) * l.T, rows)) {  // a table bug: NaN, never a stray read
     std::fill(out, out + static_cast<int64_t>(l.B) * l.Hq * l.L * l.D, std::nanf(""));
     return;
   }
@@ -148,14 +175,14 @@ void attend(const Layout& l, const float* q, const float* kp, const float* vp, i
 
 // The layers in turn on the pool (the op's task): ys = {the output, the kept outputs, the pools}.
 void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float*>& ys) const {
-  const Layout l = layout_of(in, weights_, shape_, masked_);
+  const Layout l = layout_of(in, weights_, shape_, masked_, paged_, start_);
   const int M = l.B * l.L, nq = l.Hq * l.D, nk = l.Hkv * l.D;
   std::vector<float> hc, ic, bc[3], nc[2];
   std::vector<int> pc, wc, rc;
   const int* pos = row_major(in[1], pc);
   const float* inv = row_major(in[2], ic);
-  const int32_t* ws = row_major(in[3], wc);
-  const int32_t* rs = row_major(in[4], rc);
+  const int32_t* ws = paged_ ? row_major(in[kFixed], wc) : nullptr;
+  const int32_t* rs = paged_ ? row_major(in[kFixed + 1], rc) : nullptr;
   std::vector<float> q(static_cast<size_t>(M) * nq), k(static_cast<size_t>(M) * nk), v(k.size()), heads(q.size());
   std::vector<float> buf[2] = {std::vector<float>(static_cast<size_t>(M) * l.K), std::vector<float>(M * l.K)};
   const float* x = row_major(in[0], hc);
@@ -173,10 +200,17 @@ void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float
     qkv_rows(r);
     float* kp = ys[out_pools + 2 * i];
     float* vp = ys[out_pools + 2 * i + 1];
-    const int64_t P = in[l.pools + 2 * i].shape(0);
-    paged_rows(k.data(), ws, l.B, l.Hkv, l.L, l.D, P, kp);
-    paged_rows(v.data(), ws, l.B, l.Hkv, l.L, l.D, P, vp);
-    attend(l, q.data(), kp, vp, P, rs, masked_ ? &in[kFixed] : nullptr, shape_, causal_, heads.data());
+    const mx::array& buffer = in[l.kv + 2 * i];
+    const int64_t P = buffer.shape(0);  // paged: the pool's rows
+    const int C = paged_ ? 0 : buffer.shape(2);  // dense: the buffer's columns
+    if (paged_) {
+      paged_rows(k.data(), ws, l.B, l.Hkv, l.L, l.D, P, kp);
+      paged_rows(v.data(), ws, l.B, l.Hkv, l.L, l.D, P, vp);
+    } else {
+      dense_rows(k.data(), l.B, l.Hkv, l.L, l.D, C, start_, kp);
+      dense_rows(v.data(), l.B, l.Hkv, l.L, l.D, C, start_, vp);
+    }
+    attend(l, q.data(), kp, vp, P, C, rs, masked_ ? &in[l.mask] : nullptr, shape_, causal_, heads.data());
     float* y = i + 1 == l.layers ? ys[0] : buf[i % 2].data();
     const Weights wo = weights_of(w[8 + b], c[6]);
     mlp_rows(x, heads.data(), M, l.K, w[5 + b].shape(0), nq, row_major(w[4 + b], nc[1]), eps_[2 * i + 1],
@@ -194,13 +228,13 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   if (!outputs[0].is_tracer())
     for (auto& o : outputs)
       if (&o.inputs() != &inputs) o.inputs().clear();
-  const Layout l = layout_of(inputs, weights_, shape_, masked_);
+  const Layout l = layout_of(inputs, weights_, shape_, masked_, paged_, start_);
   const size_t out_pools = 1 + keep_.size();
   std::vector<mx::array> copied;  // pools another reference holds: copied first, then written
   std::vector<float*> copy_to;
   for (size_t j = 0; j < outputs.size(); ++j) {
     auto& out = outputs[j];
-    const mx::array* pool = j >= out_pools ? &inputs[l.pools + j - out_pools] : nullptr;
+    const mx::array* pool = j >= out_pools ? &inputs[l.kv + j - out_pools] : nullptr;
     if (pool && pool->is_donatable() && pool->flags().row_contiguous) {
       out.copy_shared_buffer(*pool);
       continue;
@@ -229,7 +263,8 @@ bool DecoderStack::is_equivalent(const mx::Primitive& other) const {
   const auto& b = o.shape_.qkv;
   return a.heads == b.heads && a.kv_heads == b.kv_heads && a.dims == b.dims && a.traditional == b.traditional &&
          a.scale == b.scale && shape_.attn_scale == o.shape_.attn_scale && shape_.bias == o.shape_.bias &&
-         eps_ == o.eps_ && keep_ == o.keep_ && causal_ == o.causal_ && masked_ == o.masked_ &&
+         eps_ == o.eps_ && keep_ == o.keep_ && causal_ == o.causal_ && masked_ == o.masked_ && paged_ == o.paged_ &&
+         start_ == o.start_ &&
          std::equal(weights_.begin(), weights_.end(), o.weights_.begin(), o.weights_.end(),
                     [](const mx::array& x, const mx::array& y) { return x.id() == y.id(); });
 }

@@ -6,6 +6,7 @@
 // by one on the caller's thread (~4 us each), while the step's compute ran on both cores.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,26 +28,34 @@ struct StackShape {
 // Arrays a layer hands over: norm_in, wq, wk, wv, [bq, bk, bv], norm_post, wg, wu, wd, wo.
 int layer_inputs(bool bias);
 
+// Where a forward's keys and values go, per layer its keys then its values: a paged cache's
+// pools [P, Hkv * D] through slots, or dense buffers [B, Hkv, C, D] (mlx-lm's KVCache) from column
+// `start` on, every row's.
+struct StackKV {
+  std::vector<mx::array> buffers;
+  std::optional<mx::array> write_slots, read_slots;  // paged: int32 [B * L] (the new tokens'), [B, T] (all)
+  int start = 0;  // dense: the new tokens' first column
+  bool paged() const { return write_slots.has_value(); }
+};
+
 // h [B, L, K] (the embeddings, at most kMaxRows rows); weights: each layer's layer_inputs()
-// arrays in that order; eps: each layer's (input, post-attention) norm eps; positions int32
-// [1] / [B] (each row's first new position); pools: each layer's key then value pool [P, Hkv * D]
-// float32; write_slots int32 [B * L] (the new tokens' slots), read_slots int32 [B, T] (every
-// token's after them); mask_kind '', 'causal' or 'array' (a bool mask [B or 1, 1, L, T]); keep:
-// layers whose outputs come back. -> {the last layer's output, the kept layers', the pools
-// written (2 a layer)}: one op. A pool the op alone holds is written in place (donated).
+// arrays in that order (evaluated first where they are not); eps: each layer's (input,
+// post-attention) norm eps; positions int32 [1] / [B] (each row's first new position);
+// mask_kind '', 'causal' or 'array' (a bool mask [B or 1, 1, L, T]); keep: layers whose outputs
+// come back. -> {the last layer's output, the kept layers', the KV buffers written (2 a layer)}:
+// one op. A buffer the op alone holds is written in place (donated), else copied first.
 std::vector<mx::array> decoder_stack(const mx::array& h, const std::vector<mx::array>& weights,
                                      const std::vector<float>& eps, const mx::array& positions,
-                                     const mx::array& inv_freq, const StackShape& shape,
-                                     const std::vector<mx::array>& pools, const mx::array& write_slots,
-                                     const mx::array& read_slots, const std::string& mask_kind,
-                                     const mx::array& mask, const std::vector<int>& keep);
+                                     const mx::array& inv_freq, const StackShape& shape, const StackKV& kv,
+                                     const std::string& mask_kind, const mx::array& mask,
+                                     const std::vector<int>& keep);
 
 class DecoderStack : public mx::Primitive {
  public:
   DecoderStack(mx::Stream stream, StackShape shape, std::vector<mx::array> weights, std::vector<float> eps,
-               std::vector<int> keep, bool causal, bool masked)
+               std::vector<int> keep, bool causal, bool masked, bool paged, int start)
       : mx::Primitive(stream), shape_(shape), weights_(std::move(weights)), eps_(std::move(eps)),
-        keep_(std::move(keep)), causal_(causal), masked_(masked) {}
+        keep_(std::move(keep)), causal_(causal), masked_(masked), paged_(paged), start_(start) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "SpecbatchDecoderStack"; }
@@ -58,7 +67,8 @@ class DecoderStack : public mx::Primitive {
   std::vector<mx::array> weights_;  // evaluated constants, held here rather than as inputs
   std::vector<float> eps_;
   std::vector<int> keep_;
-  bool causal_, masked_;  // masked_: inputs[5] is the bool mask
+  bool causal_, masked_, paged_;  // inputs: h, positions, inv_freq, [the slots], [the mask], the buffers
+  int start_;  // dense: the new tokens' first column
 };
 
 }  // namespace specbatch
