@@ -171,7 +171,8 @@ def test_a_swapped_llama_decodes_the_same_bits_fused_or_not(tiny, monkeypatch):
         model(prompt, cache=cache)
         return model(step, cache=cache)
     assert type(model.layers[0].self_attn).__name__.startswith("Fast")
-    assert type(model.layers[0]).__name__.startswith("Fast")  # the block: its add and norm fused
+    # the block: its add and norm fused (tapped, where another test kept its layers' outputs)
+    assert type(model.layers[0]).__name__.removeprefix("Tapped").startswith("Fast")
     calls = []
     original = fused.attention_call
     monkeypatch.setattr(fused, "attention_call", lambda *a, **k: calls.append(1) or original(*a, **k))
