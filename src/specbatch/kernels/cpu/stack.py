@@ -8,8 +8,8 @@ layers' modules when made (``Stack.of``) and, each forward, that they are still 
 and that the rows fit; then it builds every layer straight from the ops, the same ops in the
 same order ``block_call`` takes (``qkv_rope`` with the input norm, the cache append and
 attention, ``mlp_block`` with the output projection), so every bit is the same. Over a paged
-cache (the engine's default) the whole stack is one op (``decoder_stack``: those ops' functions
-in that order, in C++): a width-1 step was ~150 ops, their graph built in Python (~0.8 ms,
+cache (the engine's default) or mlx-lm ``KVCache`` buffers with room, the whole stack is one op
+(``decoder_stack``: those ops' functions in that order, in C++; ``stack_kv`` plans the writes): a width-1 step was ~150 ops, their graph built in Python (~0.8 ms,
 cold after each step's weight stream) and scheduled one by one on the caller's thread (~4 us
 each) while the step computed on both cores. Anything else
 (a tree forward's per-node RoPE, more rows than the kernels take, a quantized cache, sliding

@@ -71,7 +71,6 @@ NB_MODULE(_ext, m) {
         "a decoder stack's decode or verify forward as one op, over a paged cache (buffers: pools, with slots) or "
         "dense KVCache buffers (from column `start`): [the last layer's output, the kept layers', the written "
         "buffers]");
-  m.def("stack_layer_inputs", &specbatch::layer_inputs, nb::arg("bias"), "arrays a layer hands decoder_stack");
   m.def("gate_up", &specbatch::gate_up, nb::arg("x"), nb::arg("wg"), nb::arg("wu"),
         "x @ wg.T and x @ wu.T in one op for up to 32 rows");
   m.def("mlp_block", &specbatch::mlp_block, nb::arg("x"), nb::arg("r"), nb::arg("norm"), nb::arg("eps"),
