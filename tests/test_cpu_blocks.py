@@ -243,3 +243,33 @@ def test_the_avx2_tile_passes_the_same_checks():
     """The 8-lane tile (each value one FMA, no table) gives the AVX2 float32 path's bits."""
     from helpers import assert_passes_on_avx2
     assert_passes_on_avx2(__file__)
+
+
+@needs_blocks
+def test_a_loaded_heads_linears_read_8_bit_blocks_of_their_own(tiny, mtp_head, tmp_path):
+    """A drafter's head saved in float16 loads with its linears' 8-bit blocks (their float32
+    values, one rounding) and streams them; its drafts still leave the target's streams as they were."""
+    from specbatch.kernels.drafters.mtp import save_head
+    from specbatch.kernels.drafters.mtp_checkpoint import load_head
+    save_head(mtp_head, tmp_path / "h")
+    saved = mx.load(str(tmp_path / "h" / "mtp.safetensors"))
+    head = load_head(tmp_path / "h")
+    linears = {name: m for name, m in head.named_modules() if isinstance(m, FastLinear)}
+    assert linears and all(quantized.reads_blocks(m) for m in linears.values())
+    for name, m in linears.items():
+        q, scales, biases = mx.quantize(saved[f"{name}.weight"].astype(mx.float16), group_size=32, bits=8)
+        want = mx.dequantize(q, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32, bits=8)
+        assert m.weight.dtype == mx.float32 and mx.array_equal(m.weight, want).item(), name
+        assert quantized.decode_bytes(m) < 0.6 * m.weight.size * 2  # under the float16 bytes
+    for params in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 2}):
+        assert run_scalar(tiny, head, "def f(x):", k=3, max_tokens=16, ignore_eos=True, **params)[0] == \
+            run_plain(tiny, "def f(x):", max_tokens=16, ignore_eos=True, **params)
+
+
+def test_nothing_is_quantized_where_no_kernel_reads_blocks(mtp_head, monkeypatch):
+    monkeypatch.setenv(quantized.ENV, "0")
+    from mlx.utils import tree_flatten
+    before = dict(tree_flatten(mtp_head.parameters()))
+    assert quantized.quantize_linears(ext, mtp_head) == {}
+    after = dict(tree_flatten(mtp_head.parameters()))
+    assert after.keys() == before.keys() and all(after[name] is p for name, p in before.items())

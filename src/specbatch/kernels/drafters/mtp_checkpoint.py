@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .mtp import MTPHead, head_config
+from ..cpu import blocks, extension
 from ..cpu.modules import use_cpu_kernels
 
 BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
@@ -113,5 +114,9 @@ def load_head(folder: Path, target_args=None) -> MTPHead:
     head.set_dtype(mx.float32 if mx.default_device() == mx.cpu else head.eh_proj.weight.dtype)
     head.name = str(folder)
     mx.eval(head.parameters())
-    use_cpu_kernels(head, half_weights=True)  # loaded for drafting (frozen); heads are saved float16
+    # frozen for drafting: its linears read 8-bit blocks where the kernels read blocks (half the
+    # float16 bytes a draft step streams), else float16 where exact (heads are saved float16)
+    made = blocks.quantize_linears(extension(), head, bits=8)
+    use_cpu_kernels(head, half_weights=True)
+    blocks.register(extension(), head, made)
     return head
