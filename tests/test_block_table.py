@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from specbatch.kernels import block_table
 from specbatch.kernels.block_table import BLOCK, BlockTable
 
@@ -47,3 +50,17 @@ def test_rows_keep_their_blocks_in_token_order_and_release_their_tails():
     assert slots == [2 * BLOCK + 6, 2 * BLOCK + 7, 2 * BLOCK + 8, 3 * BLOCK + 4, 3 * BLOCK + 5, 3 * BLOCK + 6]
     table.release_tail([16, 5])
     assert table.rows == [[0], [3]] and sorted(table.free) == [1, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 200), max_size=6), min_size=1, max_size=5),
+       data=st.data(), n=st.integers(1, 80))
+def test_write_slots_are_the_tables_slots_at_every_size(rows, data, n):
+    """A step's write slots (plain Python up to SMALL slots, numpy beyond) are the token's
+    block * BLOCK + offset, and past a row's blocks the same clamped slots either way."""
+    import numpy as np
+    table = BlockTable(rows=[list(r) for r in rows])
+    lengths = data.draw(st.lists(st.integers(0, 7 * BLOCK), min_size=len(rows), max_size=len(rows)))
+    got = table.slots(lengths, n).tolist()
+    assert got == table._slots_at(np.asarray(lengths)[:, None] + np.arange(n)).reshape(-1).tolist()
+    assert table.slots(lengths, n).tolist() == got  # memoised
