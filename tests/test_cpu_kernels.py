@@ -119,6 +119,16 @@ def test_the_fma_peak_probe_runs_on_any_thread_count():
 
 
 @needs_kernels
+@pytest.mark.parametrize("size", [1, 63, 4096 + 200, 1 << 20])  # short of a line, of a step, ragged, whole
+def test_the_read_bandwidth_probe_reads_any_size_on_any_thread_count(size):
+    ext = cpu.extension()
+    assert ext.read_bandwidth_gbs(size, 2) > 0.0  # a rate: its size is the bench's to read
+    with cpu.narrowed():
+        assert ext.read_bandwidth_gbs(size, 1) > 0.0
+    assert ext.read_bandwidth_gbs(0, 3) == 0.0 and ext.read_bandwidth_gbs(size, 0) == 0.0
+
+
+@needs_kernels
 def test_batched_strided_and_sliced_inputs():
     x = mx.random.normal((4, 3, 64))  # [batch, positions, K]: 12 rows
     w = mx.random.normal((96, 64))

@@ -4,11 +4,13 @@ against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
 - the weight-streaming bound: the bytes a width-1 step reads of every weight matrix (the tied
   head included; float16 where half-stored, ``kernels.cpu.half``, its quantized blocks where
   decode rows read those, ``kernels.cpu.blocks``) over the read bandwidth a one-row sgemv probe reaches on
-  a float32 stack of the same shapes;
+  a float32 stack of the same shapes (``bound_ms``), and over the bandwidth every kernel thread
+  reaches at once streaming a 256 MB buffer with vector loads (``read_bound_ms``: the physical
+  limit; numpy's sgemv reached 15-21 GB/s on a Zen 4 VM where this read 27-31);
 - the compute bound: every weight times every token row (two FLOPs each) over the float32
   FMA peak all kernel threads reach at once (``fma_peak_gflops``); a shape's roofline is the
   larger of its bytes (the quantized blocks up to ``blocks_max_rows`` token rows, the stored matrices
-  beyond) over the bandwidth and its FLOPs over that peak;
+  beyond) over the read bandwidth and its FLOPs over that peak;
 - forward of ``rows x positions`` tokens over a 128-token context (decode steps at widths
   1-16, verifies of 2-16 positions at width 1), kernels on (through the engine's runner, as
   the engine builds a forward) and off (off: MLX's ops on the float32 weights mlx-lm runs),
@@ -132,6 +134,8 @@ def suite_kernels(ctx) -> dict:
     repeats = max(15, 5 * ctx.repeats)  # ~1 s a repeat; 5-9 left 3 positions above 4 on a noisy VM
     ext = cpu.extension()
     peak = ext.fma_peak_gflops() if ext is not None else 0.0
+    read = ext.read_bandwidth_gbs() if ext is not None else probe
+    read_bound_ms = total / read / 1e6
     block_rows = ext.blocks_max_rows if ext is not None else 0
     stored = sum(w.nbytes for w in _matrices(model))
     weights = sum(w.size for w in _matrices(model))
@@ -140,17 +144,19 @@ def suite_kernels(ctx) -> dict:
     rows = []
     for r, n in SHAPES:
         on, off = times[(r, n, True)], times[(r, n, False)]
-        read_ms = (total if r * n <= block_rows else stored) / probe / 1e6
+        read_ms = (total if r * n <= block_rows else stored) / read / 1e6
         compute_ms = 2 * weights * r * n / peak / 1e6 if peak else 0.0
         roofline = max(read_ms, compute_ms)
         rows.append({"rows": r, "positions": n, "kernels_ms": on, "mlx_ops_ms": off, "speedup": off / on,
                      "kernels_over_step": on / base_on, "mlx_ops_over_step": off / base_off,
                      "bound_ms": bound_ms, "fraction_of_bound": bound_ms / on,
+                     "read_bound_ms": read_bound_ms, "fraction_of_read_bound": read_bound_ms / on,
                      "roofline_ms": roofline, "fraction_of_roofline": roofline / on})
     engine = ctx.engine(speculation=False)  # plain: the engine's decode and its time to first token
     decode = decode_ms(ctx, engine, code_prompts(ctx.target.tokenizer, 1)[0])
     rows.append({"rows": 1, "positions": 1, "engine_decode_ms": decode, "bound_ms": bound_ms,
-                 "fraction_of_bound": bound_ms / decode})
+                 "fraction_of_bound": bound_ms / decode, "read_bound_ms": read_bound_ms,
+                 "fraction_of_read_bound": read_bound_ms / decode})
     from .long import long_prompts
     prompt = long_prompts(ctx.target.tokenizer, 1400, 1)[0]
     ttft = ttft_s(ctx, engine, prompt)
@@ -160,7 +166,8 @@ def suite_kernels(ctx) -> dict:
             "weight_bytes": total, "weight_bytes_stored": stored,
             "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
             "block_matrices": sum(1 for m in _modules(model) if reads_blocks(m)),
-            "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "fma_peak_gflops": peak, "rows": rows}
+            "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "read_probe_gb_s": read, "read_bound_ms": read_bound_ms,
+            "fma_peak_gflops": peak, "rows": rows}
 
 
 SUITES = {"kernels": suite_kernels}
