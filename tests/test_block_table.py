@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,7 +59,6 @@ def test_rows_keep_their_blocks_in_token_order_and_release_their_tails():
 def test_write_slots_are_the_tables_slots_at_every_size(rows, data, n):
     """A step's write slots (plain Python up to SMALL slots, numpy beyond) are the token's
     block * BLOCK + offset, and past a row's blocks the same clamped slots either way."""
-    import numpy as np
     table = BlockTable(rows=[list(r) for r in rows])
     lengths = data.draw(st.lists(st.integers(0, 7 * BLOCK), min_size=len(rows), max_size=len(rows)))
     got = table.slots(lengths, n).tolist()

@@ -6,7 +6,7 @@ against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
   decode rows read those, ``kernels.cpu.blocks``) over the read bandwidth a one-row sgemv probe reaches on
   a float32 stack of the same shapes (``bound_ms``), and over the bandwidth every kernel thread
   reaches at once streaming a 256 MB buffer with vector loads (``read_bound_ms``: the physical
-  limit; numpy's sgemv reached 15-21 GB/s on a Zen 4 VM where this read 27-31);
+  limit; numpy's sgemv reached 15-21 GB/s on a Zen 4 VM where this read 27-35);
 - the compute bound: every weight times every token row (two FLOPs each) over the float32
   FMA peak all kernel threads reach at once (``fma_peak_gflops``); a shape's roofline is the
   larger of its bytes (the quantized blocks up to ``blocks_max_rows`` token rows, the stored matrices

@@ -2,7 +2,7 @@
 // bench's roofline (a verify of 16 positions multiplies every weight 16 times; its floor is the
 // larger of its bytes over the bandwidth and these FLOPs over this peak). The read probe is the
 // physical limit of a step that only streams its weights; numpy's sgemv, the other probe the bench
-// reports, reached 15-21 GB/s on a Zen 4 VM where this reads 28-32.
+// reports, reached 15-21 GB/s on a Zen 4 VM where this reads 27-35.
 #include "probe.h"
 
 #include <immintrin.h>
@@ -35,8 +35,8 @@ namespace {
            SUM(a8) + SUM(a9) + SUM(a10) + SUM(a11);                                            \
   }
 
-// Sum of [p, end) as floats, 4 independent 64-byte loads a step, prefetched 4 KB ahead (the
-// distance the blocks' walk streams at, in lines); the sum keeps every load live.
+// Sum of [p, end) as floats, 4 independent 64-byte loads a step, prefetched 4 KB ahead (into L1
+// or L2, 4 or 16 KB ahead, or not at all: 33-34 GB/s alike here); the sum keeps every load live.
 __attribute__((target("avx512f"))) float read512(const char* p, const char* end) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (; p + 256 <= end; p += 256) {
