@@ -29,10 +29,8 @@ namespace specbatch {
 namespace blocks_impl {
 
 // Blocks read ahead of the one in hand, in the weights' and the scales' streams (rows ahead at
-// the target's widths; a prefetch never faults), into L2, not L1: a line fetched to L1 holds one
-// of its few miss buffers for the whole trip from memory, and the tile's loads then wait behind
-// the prefetches. AMD EPYC Zen 4, whole forwards of the embedded target, alternating processes,
-// medians of 7-8: T0 at 64 blocks 8.67 ms (1 row) / 10.30 (2) / 13.76 (4 positions), T1 at 64
+// the target's widths; a prefetch never faults), into L2 (kWeightPrefetch, gemv.h). AMD EPYC
+// Zen 4, whole forwards of the embedded target, alternating processes, medians of 7-8: T0 at 64 blocks 8.67 ms (1 row) / 10.30 (2) / 13.76 (4 positions), T1 at 64
 // 8.02 / 9.46 / 12.88, at 256 7.35 / 8.97 / 13.27 (128 7.5, 512 7.3, 1,024 7.5 at 1 row); the
 // 8-bit head alone, 2 threads, 1.9-2.1 -> 1.2-1.6 ms. The AVX2 tiles on the same CPU: 0.96x.
 constexpr int kAhead = 256;
@@ -77,8 +75,8 @@ void tile(const float* x, int K, const BlockView& w, int n, float* y, int N) {
     if (b % kSpan == 0)
       for (int i = 0; i < NB; ++i) sb[i] = widen(half[i] + 4 * b, wide[i]);
     for (int i = 0; i < NB; ++i) {  // both streams, a cache line of scales every 8 blocks
-      _mm_prefetch(reinterpret_cast<const char*>(p[i] + kAhead * B), _MM_HINT_T1);
-      if (b % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(half[i] + 4 * (b + kAhead)), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p[i] + kAhead * B), kWeightPrefetch);
+      if (b % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(half[i] + 4 * (b + kAhead)), kWeightPrefetch);
     }
     if (b < whole) {
       Ops::template block<NB, MB, 4>(x, K, 64 * b, p, sb, acc);

@@ -13,11 +13,11 @@ namespace {
 
 // Prefetch the weights kAheadTiles tiles ahead, the line each row of that tile reads at this k:
 // exactly the lines later tiles consume. A/B on a loaded machine, against 4 KB ahead in each
-// row: M=1 5%, M=4 10-20%, M=8 8-22% faster (4 and 8 tiles alike; 1 and 2 less). Into L2, not
-// L1 (an L1 prefetch holds one of the core's few miss buffers the whole trip from memory): Zen 4
-// EPYC, whole forwards of the embedded target on these tiles, alternating processes, float16
-// weights 17.1-17.8 -> 10.7-11.4 ms a step (AVX2 tiles 17.1-17.7 -> 11.2-12.5), float32
-// 25.4-27.3 -> 18.8-21.0, 16 rows 0.88-0.92x; 8 and 16 tiles ahead into L2 slower than 4.
+// row: M=1 5%, M=4 10-20%, M=8 8-22% faster (4 and 8 tiles alike; 1 and 2 less). Into L2
+// (kWeightPrefetch) against L1: Zen 4 EPYC, whole forwards of the embedded target on these
+// tiles, alternating processes, float16 weights 17.1-17.8 -> 10.7-11.4 ms a step (AVX2 tiles
+// 17.1-17.7 -> 11.2-12.5), float32 25.4-27.3 -> 18.8-21.0, 16 rows 0.88-0.92x; 8 and 16 tiles
+// ahead into L2 slower than 4.
 constexpr int kAheadTiles = 4;
 
 // Lanes [0, r) of a tail load; the masked load never touches memory past K.
@@ -52,7 +52,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void accumulate(c
     for (int i = 0; i < NB; ++i) {
       wv[i] = load_w(w + (long)i * K + k);
       if (Prefetch && (sizeof(W) == 4 || k % 32 == 0))  // half weights: once per 64-byte line
-        _mm_prefetch(reinterpret_cast<const char*>(w + (long)(NB * kAheadTiles + i) * K + k), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (long)(NB * kAheadTiles + i) * K + k), kWeightPrefetch);
     }
     for (int j = 0; j < MB; ++j) {
       __m256 xv = _mm256_loadu_ps(x + (long)j * K + k);

@@ -12,11 +12,11 @@ namespace {
 
 // Prefetch the weights kAheadTiles tiles ahead, the line each row of that tile reads at this k:
 // exactly the lines later tiles consume. A/B on a loaded machine, against 4 KB ahead in each
-// row: M=1 5%, M=4 10-20%, M=8 8-22% faster (4 and 8 tiles alike; 1 and 2 less). Into L2, not
-// L1 (an L1 prefetch holds one of the core's few miss buffers the whole trip from memory): Zen 4
-// EPYC, whole forwards of the embedded target on these tiles, alternating processes, float16
-// weights 17.1-17.8 -> 10.7-11.4 ms a step (AVX2 tiles 17.1-17.7 -> 11.2-12.5), float32
-// 25.4-27.3 -> 18.8-21.0, 16 rows 0.88-0.92x; 8 and 16 tiles ahead into L2 slower than 4.
+// row: M=1 5%, M=4 10-20%, M=8 8-22% faster (4 and 8 tiles alike; 1 and 2 less). Into L2
+// (kWeightPrefetch) against L1: Zen 4 EPYC, whole forwards of the embedded target on these
+// tiles, alternating processes, float16 weights 17.1-17.8 -> 10.7-11.4 ms a step (AVX2 tiles
+// 17.1-17.7 -> 11.2-12.5), float32 25.4-27.3 -> 18.8-21.0, 16 rows 0.88-0.92x; 8 and 16 tiles
+// ahead into L2 slower than 4.
 constexpr int kAheadTiles = 4;
 
 // out[a] = _mm512_reduce_add_ps(acc[a]) for 16 accumulators, bit for bit (the same pairs
@@ -72,7 +72,7 @@ __attribute__((target("avx512f"))) void tile(const float* x, int K, const W* w, 
       wv[i] = load_w(w + (long)i * K + k);
       // one prefetch per 64-byte line: every k for float32 weights, every other for half
       if (Prefetch && (sizeof(W) == 4 || k % 32 == 0))
-        _mm_prefetch(reinterpret_cast<const char*>(w + (long)(NB * kAheadTiles + i) * K + k), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (long)(NB * kAheadTiles + i) * K + k), kWeightPrefetch);
     }
 #pragma GCC unroll 8
     for (int j = 0; j < MB; ++j) {
