@@ -16,11 +16,18 @@ struct Avx512 {
   static Vec zero() { return _mm512_setzero_ps(); }
   static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
 
-  // The 16 values of a group: q * scale + bias in float32, one rounding (the FMA's), as MLX's
-  // quantized_matmul computes the blocks with float32 activations (and llama.cpp's Q4_1, d * q + m).
+  // The 16 values of a group: q * scale + bias in float32, one rounding, as MLX's quantized_matmul
+  // computes the blocks with float32 activations (and llama.cpp's Q4_1, d * q + m). A multiply then
+  // an add, each reading its scalar as an embedded broadcast: q * scale is exact (4 bits times a
+  // float16's 11), so the add's rounding is the FMA's, and Zen 4 runs the pair faster than a
+  // broadcast and an FMA (one core, in cache, 1 row: 0.82-0.96 -> 0.74-0.77 ns a 16-weight chunk).
+  template <int MB>
   static Vec table(const float* sb) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_fmadd_ps(iota, _mm512_set1_ps(sb[0]), _mm512_set1_ps(sb[1]));
+    if constexpr (MB > kOnePass) return _mm512_fmadd_ps(iota, _mm512_set1_ps(sb[0]), _mm512_set1_ps(sb[1]));
+    __m512 scaled = _mm512_mul_ps(iota, _mm512_set1_ps(sb[0]));
+    asm("" : "+v"(scaled));  // GCC would contract the pair back into the FMA
+    return _mm512_add_ps(scaled, _mm512_set1_ps(sb[1]));
   }
 
   // Word l of a block holds, in its nibble c, the weight 16c + l, so one widening load and a
@@ -39,8 +46,8 @@ struct Avx512 {
     Vec t[NB][2];
     for (int i = 0; i < NB; ++i) {
       idx[i] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[i])));
-      t[i][0] = table(sb[i]);
-      if (CHUNKS == 4) t[i][1] = table(sb[i] + 2);
+      t[i][0] = table<MB>(sb[i]);
+      if (CHUNKS == 4) t[i][1] = table<MB>(sb[i] + 2);
     }
     for (int c = 0; c < CHUNKS; ++c) {  // k in order per lane, as the float32 path sums it
       Vec wv[NB];
