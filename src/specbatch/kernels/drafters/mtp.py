@@ -36,6 +36,7 @@ from ...runtime.tree_shape import TreeLayout
 from ..cpu import attention as cpu_attention
 from ..cpu import fused
 from ..cpu import linear as cpu_linear
+from ..cpu import spread
 from ..kv import RaggedKVCache
 from .base import ANY_WIDTH, Capture, Chooser, DraftTree
 
@@ -170,9 +171,7 @@ class MTPDrafter:
         ids = self.head.vocab_ids
         if self._rows is None:
             self._rows = self.runner.head_rows(ids)
-        full = mx.full((h.shape[0], self.runner.vocab_size), -mx.inf, dtype=h.dtype)
-        full[:, ids] = cpu_linear(h, self._rows)  # h @ rows.T
-        return full
+        return spread(cpu_linear(h, self._rows), ids, self.runner.vocab_size)  # h @ rows.T, -inf elsewhere
 
     @property
     def width(self) -> int:

@@ -11,6 +11,7 @@
 #include "noise.h"
 #include "probe.h"
 #include "sample.h"
+#include "spread.h"
 #include "norm.h"
 #include "paged_write.h"
 #include "pool.h"
@@ -81,6 +82,8 @@ NB_MODULE(_ext, m) {
         "silu(gate) * up (float32, CPU), one op with a vectorised exp");
   m.def("gumbel", &specbatch::gumbel, nb::arg("seeds"), nb::arg("positions"), nb::arg("vocab"),
         "Gumbel noise [B, N, vocab] keyed by (seed, position, token), one op");
+  m.def("spread", &specbatch::spread, nb::arg("values"), nb::arg("ids"), nb::arg("vocab"),
+        "out[b, ids[j]] = values[b, j], -inf elsewhere (float32 [B, n], int32 [n] -> [B, vocab]; CPU)");
   m.def("sample_tokens", &specbatch::sample_tokens, nb::arg("logits"), nb::arg("temperatures"), nb::arg("seeds"),
         nb::arg("positions"),
         "tokens [B, N]: argmax of logits / max(T, 1e-6) + the keyed Gumbel noise (T = 0: of the logits), one op");

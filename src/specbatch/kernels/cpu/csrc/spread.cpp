@@ -1,0 +1,49 @@
+#include "spread.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "strided.h"
+
+namespace specbatch {
+
+mx::array spread(const mx::array& values, const mx::array& ids, int vocab) {
+  if (values.dtype() != mx::float32 || values.ndim() != 2)
+    throw std::invalid_argument("spread: values must be float32 [B, n]");
+  if (ids.dtype() != mx::int32 || ids.ndim() != 1 || ids.shape(0) != values.shape(1))
+    throw std::invalid_argument("spread: ids must be int32 [n], one per column of values");
+  if (vocab < 1) throw std::invalid_argument("spread: vocab must be positive");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array({values.shape(0), vocab}, mx::float32, std::make_shared<Spread>(s, vocab), {values, ids});
+}
+
+void Spread::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  encoder.set_output_array(out);
+  std::vector<mx::array> weak;  // as MLX's own ops capture: MLX keeps the buffers until the task ran
+  for (const auto& in : inputs) weak.push_back(mx::array::unsafe_weak_copy(in));
+  encoder.dispatch([in = std::move(weak), yp = out.data<float>(), V = vocab_]() {
+    std::vector<float> vc;
+    std::vector<int32_t> ic;
+    const float* vp = row_major(in[0], vc);
+    const int32_t* ip = row_major(in[1], ic);
+    const int64_t B = in[0].shape(0), n = in[0].shape(1);
+    const bool valid = std::all_of(ip, ip + n, [V](int32_t id) { return id >= 0 && id < V; });
+    std::fill(yp, yp + B * V, valid ? -std::numeric_limits<float>::infinity() : std::nanf(""));
+    if (!valid) return;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t j = 0; j < n; ++j) yp[b * V + ip[j]] = vp[b * n + j];
+  });
+}
+
+void Spread::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("SpecbatchSpread runs on the CPU only");
+}
+
+}  // namespace specbatch
