@@ -274,16 +274,6 @@ def sample_tokens(logits: mx.array, temperatures: mx.array, seeds: mx.array, pos
     return ext.sample_tokens(logits, temperatures, seeds, positions)
 
 
-def spread(values: mx.array, ids: mx.array, vocab: int) -> mx.array:
-    """``[B, vocab]``: ``values`` ``[B, n]`` at columns ``ids`` ``[n]`` (distinct), -inf elsewhere."""
-    ext = _active()
-    if ext is not None and values.dtype == mx.float32 and values.ndim == 2 and ids.dtype == mx.int32:
-        return ext.spread(values, ids, vocab)
-    full = mx.full((values.shape[0], vocab), -mx.inf, dtype=values.dtype)
-    full[:, ids] = values
-    return full
-
-
 def rope_positions(offset) -> mx.array:
     """An mlx-lm cache offset (an int, a scalar or a per-row ``[B]`` array) as the kernel's
     int32 ``[1]`` / ``[B]`` positions of each row's first token."""

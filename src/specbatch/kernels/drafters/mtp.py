@@ -36,7 +36,7 @@ from ...runtime.tree_shape import TreeLayout
 from ..cpu import attention as cpu_attention
 from ..cpu import fused
 from ..cpu import linear as cpu_linear
-from ..cpu import spread
+from ..cpu.vocab import spread
 from ..kv import RaggedKVCache
 from .base import ANY_WIDTH, Capture, Chooser, DraftTree
 

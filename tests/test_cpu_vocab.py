@@ -1,4 +1,4 @@
-"""The CPU kernels' spread of a reduced vocabulary's logits (``cpu.spread``) against MLX's scatter."""
+"""The CPU kernels' spread of a reduced vocabulary's logits (``cpu.vocab.spread``) against MLX's scatter."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specbatch.kernels import cpu
+from specbatch.kernels.cpu.vocab import spread
 
 needs_kernels = pytest.mark.skipif(not cpu.status().active, reason=f"CPU kernels inactive: {cpu.status().why}")
 
 
 def _scattered(values: mx.array, ids: mx.array, vocab: int) -> mx.array:
     with cpu.disabled():  # the wrapper's fallback: MLX's scatter
-        out = cpu.spread(values, ids, vocab)
+        out = spread(values, ids, vocab)
         mx.eval(out)
     return out
 
@@ -41,7 +42,7 @@ def test_spread_is_mlxs_scatter_bit_for_bit(b, vocab, share, seed, special):
 
 @needs_kernels
 def test_the_rest_of_the_vocabulary_is_minus_infinity():
-    out = np.array(cpu.spread(mx.array([[1.5, -2.0]]), mx.array([7, 2], dtype=mx.int32), 10))
+    out = np.array(spread(mx.array([[1.5, -2.0]]), mx.array([7, 2], dtype=mx.int32), 10))
     assert out[0, 7] == 1.5 and out[0, 2] == -2.0
     assert np.all(np.delete(out[0], [2, 7]) == -np.inf)
 
