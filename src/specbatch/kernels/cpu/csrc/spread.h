@@ -1,7 +1,7 @@
 // A reduced vocabulary's logits spread over the whole vocabulary: out[b, ids[j]] = values[b, j],
 // -inf everywhere else (an FR-Spec head's draft logits, which the samplers read over the full
-// vocabulary). MLX's scatter took ~0.19 ms for 4,096 of 49,152 tokens at width 1, more than the
-// linear that made them (~0.10 ms).
+// vocabulary). MLX's scatter took 0.12-0.21 ms for 4,096 of 49,152 tokens at width 1, more than the
+// linear that made them (0.09-0.10 ms); this op 0.017 ms.
 #pragma once
 
 #include "mlx/array.h"
