@@ -14,10 +14,7 @@ namespace {
 // Prefetch the weights kAheadTiles tiles ahead, the line each row of that tile reads at this k:
 // exactly the lines later tiles consume. A/B on a loaded machine, against 4 KB ahead in each
 // row: M=1 5%, M=4 10-20%, M=8 8-22% faster (4 and 8 tiles alike; 1 and 2 less). Into L2
-// (kWeightPrefetch) against L1: Zen 4 EPYC, whole forwards of the embedded target on these
-// tiles, alternating processes, float16 weights 17.1-17.8 -> 10.7-11.4 ms a step (AVX2 tiles
-// 17.1-17.7 -> 11.2-12.5), float32 25.4-27.3 -> 18.8-21.0, 16 rows 0.88-0.92x; 8 and 16 tiles
-// ahead into L2 slower than 4.
+// (kWeightPrefetch, gemv.h: the float tiles' numbers there); 8 and 16 tiles ahead were slower.
 constexpr int kAheadTiles = 4;
 
 // Lanes [0, r) of a tail load; the masked load never touches memory past K.

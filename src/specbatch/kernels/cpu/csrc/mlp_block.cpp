@@ -7,12 +7,12 @@
 #include "gemv.h"
 #include "grad.h"
 #include "linear.h"
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/fast.h"
 #include "mlx/ops.h"
 #include "norm.h"
 #include "strided.h"
+#include "task.h"
 #include "swiglu.h"
 
 namespace specbatch {
@@ -59,14 +59,10 @@ void mlp_rows(const float* x, const float* r, int M, int K, int I, int J, const 
 }
 
 void MlpBlock::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) encoder.set_input_array(in);
-  encoder.set_output_array(out);
   const int K = inputs[0].shape(-1), I = inputs[3].shape(0), J = inputs[1].shape(-1);
   const int M = K == 0 ? 0 : static_cast<int>(inputs[0].size() / K);
-  std::vector<mx::array> weak;  // as MLX's own ops capture: MLX keeps the buffers until the task ran
-  for (const auto& in : inputs) weak.push_back(mx::array::unsafe_weak_copy(in));
+  auto weak = task_inputs(encoder, inputs, out);  // before out.data(): it allocates out
   encoder.dispatch([in = std::move(weak), yp = out.data<float>(), M, K, I, J, eps = eps_]() {
     if (M == 0 || K == 0) return;
     std::vector<float> copies[3];

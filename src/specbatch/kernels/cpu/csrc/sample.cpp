@@ -4,11 +4,11 @@
 #include <stdexcept>
 
 #include "gemv.h"
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "noise.h"
 #include "pool.h"
 #include "strided.h"
+#include "task.h"
 
 namespace specbatch {
 
@@ -34,12 +34,8 @@ mx::array sample_tokens(const mx::array& logits, const mx::array& temperatures, 
 }
 
 void SampleTokens::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) encoder.set_input_array(in);
-  encoder.set_output_array(out);
-  std::vector<mx::array> weak;  // as MLX's own ops capture: MLX keeps the buffers until the task ran
-  for (const auto& in : inputs) weak.push_back(mx::array::unsafe_weak_copy(in));
+  auto weak = task_inputs(encoder, inputs, out);  // before out.data(): it allocates out
   encoder.dispatch([in = std::move(weak), yp = out.data<int32_t>()]() {
     std::vector<float> lc, tc;
     std::vector<uint32_t> sc;

@@ -5,9 +5,9 @@
 #include <limits>
 #include <stdexcept>
 
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "strided.h"
+#include "task.h"
 
 namespace specbatch {
 
@@ -22,12 +22,8 @@ mx::array spread(const mx::array& values, const mx::array& ids, int vocab) {
 }
 
 void Spread::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& in : inputs) encoder.set_input_array(in);
-  encoder.set_output_array(out);
-  std::vector<mx::array> weak;  // as MLX's own ops capture: MLX keeps the buffers until the task ran
-  for (const auto& in : inputs) weak.push_back(mx::array::unsafe_weak_copy(in));
+  auto weak = task_inputs(encoder, inputs, out);  // before out.data(): it allocates out
   encoder.dispatch([in = std::move(weak), yp = out.data<float>(), V = vocab_]() {
     std::vector<float> vc;
     std::vector<int32_t> ic;
