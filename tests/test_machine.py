@@ -28,8 +28,9 @@ def greedy(n: int) -> SamplingParams:
 
 
 def spec_core(tiny, **config) -> EngineCore:
-    """The tiny model drafting for itself: acceptance is high, so every edge is cheap."""
-    return new_core(tiny, tiny, EngineConfig(num_draft_tokens=3, **config))
+    """The tiny model drafting for itself: acceptance is high, so every edge is cheap. Plain
+    rounds pipelined, whatever the machine's cores (the scenarios count their rounds)."""
+    return new_core(tiny, tiny, EngineConfig(num_draft_tokens=3, **{"pipeline": True, **config}))
 
 
 def step(core: EngineCore, run: Run) -> str:
@@ -324,3 +325,21 @@ def test_the_chart_draws_the_capture_round_and_each_states_order():
     # injection comes before a pending re-arm or capture: arrivals gate first
     assert ROUNDS["Gated"].index("inject") < ROUNDS["Gated"].index("rearm")
     assert ROUNDS["Batched"].index("gate") < ROUNDS["Batched"].index("capture")
+
+
+@pytest.mark.parametrize(("pipeline", "spare", "ahead"),
+                         [(None, True, True), (None, False, False), (True, False, True), (False, True, False)])
+def test_plain_rounds_dispatch_a_successor_only_where_the_host_has_a_core(tiny, pipeline, spare, ahead):
+    """Left unset, a plain round dispatches the next one before reading its own tokens only where
+    the kernels leave the host a core (on two busy cores that build slowed the compute); set, the
+    config decides. Either way the streams are the plain ones."""
+    with new_core(tiny, None, EngineConfig(speculation=False, pipeline=pipeline)) as core:
+        core.kernels.spare_core = spare
+        run = Run()
+        ids = [core.add(LONG, greedy(12)), core.add("def g(y):", greedy(12))]
+        for _ in range(3):
+            step(core, run)
+        assert core.scheduler.batch.width == 2 and core.scheduler.batch.settled is not ahead
+        run, _ = drive(core, run=run)
+        assert [len(run.tokens[i]) for i in ids] == [12, 12]
+        assert [run.tokens[i] for i in ids] == plain_streams(tiny, [(LONG, greedy(12)), ("def g(y):", greedy(12))])

@@ -35,11 +35,11 @@ class Schedules(RuleBasedStateMachine):
 
     @initialize(cap=st.integers(0, 4), k=st.integers(1, 6), preempt=st.booleans(), resume=st.booleans(),
                 drafter=st.integers(0, 1), verify=st.sampled_from(["coupled", "coupled", "rejection"]),
-                chunk=st.sampled_from([128, 4, 9]))
-    def start(self, cap, k, preempt, resume, drafter, verify, chunk):
+                chunk=st.sampled_from([128, 4, 9]), pipeline=st.sampled_from([None, True, False]))
+    def start(self, cap, k, preempt, resume, drafter, verify, chunk, pipeline):
         self.cap, self.verify, self.chunk = cap, verify, chunk
-        config = EngineConfig(num_draft_tokens=k, speculative_width_cap=cap, preempt=preempt,
-                              resume=resume, rearm_min_remaining=3, verify=verify, prefill_chunk=chunk)
+        config = EngineConfig(num_draft_tokens=k, speculative_width_cap=cap, preempt=preempt, resume=resume,
+                              rearm_min_remaining=3, verify=verify, prefill_chunk=chunk, pipeline=pipeline)
         self.core = new_core(self.target, self.drafters[drafter], config)
 
     @rule(length=st.integers(1, 24), budget=st.integers(1, 24), temperature=st.sampled_from([0.0, 0.0, 0.8, 1.0]),

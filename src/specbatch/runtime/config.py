@@ -132,7 +132,9 @@ class EngineConfig:
     max_queue: int = attrs.field(default=1024, validator=_positive)
     preempt: bool = attrs.field(factory=lambda: _flag("SPECBATCH_PREEMPT", "GMLX_MTP_PREEMPT"))
     resume: bool = attrs.field(factory=lambda: _flag("SPECBATCH_RESUME", "GMLX_MTP_RESUME"))
-    pipeline: bool = True  # plain rounds dispatch their successor before reading (async eval)
+    # plain rounds dispatch their successor before reading (async eval); None: where the host
+    # builds on a core the compute leaves free (``Kernels.spare_core``)
+    pipeline: bool | None = None
     verify: str = attrs.field(default="coupled", validator=attrs.validators.in_(("coupled", "rejection")))
     # the longest prompt + completion served (None: the model's context); a longer prompt
     # is refused naming both lengths, a longer budget is clamped to the room left

@@ -110,7 +110,8 @@ class Moves:
         return self._observe(requests, self.batch.spec_round(self._decide(requests)))
 
     def plain_round(self, step: Step) -> RoundOutput:
-        pipelined = self.config.pipeline and not (step.more_coming or self._ready(step))
+        pipeline = self.kernels.spare_core if self.config.pipeline is None else self.config.pipeline
+        pipelined = pipeline and not (step.more_coming or self._ready(step))
         return self.batch.plain_round(successor=pipelined)
 
     def reap(self, step: Step) -> RoundOutput | None:
