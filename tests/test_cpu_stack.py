@@ -201,3 +201,31 @@ def test_a_pool_held_elsewhere_is_copied_and_left_as_it_was(tiny):
     assert cpu.extension().paged_write_copies() == copies + 1
     assert mx.array_equal(held, before).item()
     assert not mx.array_equal(kv.layers[1].vpool.parts[0], before).item()
+
+
+@needs_kernels
+def test_weights_are_read_again_only_after_a_swapped_module_was_written(tiny):
+    """A forward reuses the weights the last one read while no swapped module's items were written
+    (``cpu.edits``); a weight replaced through ``update`` (as ``load_weights`` does) is the next
+    forward's, with the model's own bits."""
+    from specbatch.kernels.cpu import edits
+
+    model = tiny.model
+    fast, slow = ModelRunner(model), ModelRunner(model)
+    slow._stack = False
+    down = model.layers[1].mlp.down_proj
+    kept = down.weight
+    try:
+        _forwards(fast, STEPS[:2])
+        plan = fast._fast_stack()
+        read, at = plan.read["weights"], plan.read["at"]
+        _forwards(fast, STEPS[:2])
+        assert plan.read["weights"] is read and plan.read["at"] == at == edits.count()
+        down.update({"weight": kept * 0.5})
+        assert edits.count() > at
+        got, _ = _forwards(fast, STEPS[:3])
+        want, _ = _forwards(slow, STEPS[:3])
+        assert plan.read["weights"] is not read and any(w is down["weight"] for w in plan.read["weights"])
+        assert all(mx.array_equal(a, b).item() for (a, _), (b, _) in zip(got, want))
+    finally:
+        down.update({"weight": kept})

@@ -22,11 +22,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import blocks, extension, fused, half, linear, prefill_on_kernel, rms_norm, rope, rope_positions
+from .edits import Tracked
 
 _inside = threading.local()  # set while a swapped attention layer runs on this thread
 
 
-class FastLinear(nn.Linear):
+class FastLinear(Tracked, nn.Linear):
     """``nn.Linear`` whose matmul is the small-M CPU kernel where it applies (still an
     ``nn.Linear``: MLX's sharding and quantization helpers take it as one)."""
 
@@ -43,7 +44,7 @@ class FastLinear(nn.Linear):
         return y + self["bias"] if "bias" in self else y
 
 
-class FastEmbedding(nn.Embedding):
+class FastEmbedding(Tracked, nn.Embedding):
     """A tied embedding whose ``as_linear`` (the output head) uses the CPU kernel."""
 
     def __init__(self, weight: mx.array):
@@ -85,10 +86,10 @@ _fast_classes: dict[type, type] = {}
 
 
 def _fast_class(cls: type, methods: dict) -> type:
-    """``cls`` with ``methods`` overridden (made once per class: instances keep every
-    attribute, only their class changes)."""
+    """``cls`` with ``methods`` overridden and its item writes counted (made once per class:
+    instances keep every attribute, only their class changes)."""
     if cls not in _fast_classes:
-        _fast_classes[cls] = type(f"Fast{cls.__name__}", (cls,), methods)
+        _fast_classes[cls] = type(f"Fast{cls.__name__}", (Tracked, cls), methods)
     return _fast_classes[cls]
 
 

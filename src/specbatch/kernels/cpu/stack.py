@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..stack_kv import StackWrite
-from . import _NO_MASK, MAX_ROWS, _active, rope_positions
+from . import _NO_MASK, MAX_ROWS, _active, edits, rope_positions
 from .fused import MODULES, _append_and_attend
 from .half import weight_ok
 
@@ -84,8 +84,8 @@ class LayerPlan:
 
     def sources(self) -> tuple:
         """(module, key) of each array ``decoder_stack`` takes for this layer, in its order:
-        norm_in, wq, wk, wv, [bq, bk, bv], norm_post, wg, wu, wd, wo (read every forward: a
-        model's weights may be replaced in place)."""
+        norm_in, wq, wk, wv, [bq, bk, bv], norm_post, wg, wu, wd, wo (read again after any write
+        to a swapped module's items, ``edits``: a model's weights may be replaced in place)."""
         q, k, v, o, g, u, d = self.linears
         biases = ((q, "bias"), (k, "bias"), (v, "bias")) if self.qkv_bias else ()
         return ((self.norm, "weight"), (q, "weight"), (k, "weight"), (v, "weight"), *biases, (self.post, "weight"),
@@ -121,6 +121,8 @@ class Stack:
     links: tuple[tuple, tuple, tuple]  # every layer's LayerPlan.links() as (parents, keys, children)
     sources: tuple[tuple, tuple]  # every layer's LayerPlan.sources() as (modules, keys)
     eps: tuple[float, ...]  # every layer's (input, post-attention) norm eps
+    # the edit count the links were last found whole at, and the weights read then
+    read: dict = attrs.field(factory=dict, eq=False)
 
     @classmethod
     def of(cls, model: nn.Module) -> Stack | None:
@@ -155,9 +157,12 @@ class Stack:
         if cache is not None and (len(cache) != len(self.layers) or hasattr(cache[0], "bits")):
             return None
         blocks = self.inner["layers"]
-        if (len(blocks) != len(self.layers) or not all(b is p.block for b, p in zip(blocks, self.layers))
-                or not all(map(is_, map(getitem, *self.links[:2]), self.links[2]))):
+        if len(blocks) != len(self.layers) or not all(b is p.block for b, p in zip(blocks, self.layers)):
             return None
+        if self.read.get("at") != edits.count():  # a swapped module was written since: check again
+            if not all(map(is_, map(getitem, *self.links[:2]), self.links[2])):
+                return None
+            self.read.update(at=edits.count(), weights=list(map(getitem, *self.sources)))
         h = self.inner["embed_tokens"](tokens)  # [B, L, D]
         if h.dtype != mx.float32:
             return None
@@ -194,7 +199,7 @@ class Stack:
             return None
         if kind == "array" and mask.shape[2:] != (L, write.end):
             mask = mx.broadcast_to(mask, (mask.shape[0], 1, L, write.end))
-        weights = list(map(getitem, *self.sources))
+        weights = self.read["weights"]  # as read at the current edit count (__call__)
         out = ext.decoder_stack(h, weights, self.eps, positions, self.layers[0].rope["_sb_inv_freq"], heads, kv_heads,
                                 dims, traditional, rope_scale, attn_scale, bias, write.buffers, write.write_slots,
                                 write.read_slots, write.start, kind, mask if kind == "array" else _NO_MASK, list(keep))
