@@ -311,22 +311,22 @@ def test_a_prefill_chunk_matches_mlx_and_each_row_decoded_alone():
 def test_paged_attention_reads_the_pools_as_the_gathered_view(b, kv, group, length, t, kind, seed):
     rng = np.random.default_rng(seed)
     d, pool_rows = 64, 160
-    k_pool = mx.array(rng.standard_normal((pool_rows, kv * d)), dtype=mx.float32)  # [P, Hkv * D]
-    v_pool = mx.array(rng.standard_normal((pool_rows, kv * d)), dtype=mx.float32)
+    k_pool = mx.array(rng.standard_normal((kv, pool_rows, d)), dtype=mx.float32)  # [Hkv, P, D]
+    v_pool = mx.array(rng.standard_normal((kv, pool_rows, d)), dtype=mx.float32)
     slots = mx.array(np.stack([rng.permutation(pool_rows)[:t] for _ in range(b)]), dtype=mx.int32)  # [B, T]
     q = mx.array(rng.standard_normal((b, kv * group, length, d)), dtype=mx.float32)
     mask = None if kind == "" else kind
     if kind == "array":
         mask = mx.array(rng.random((b, 1, length, t)) > 0.4)
         mask[..., 0] = True
-    gathered = [p[slots].reshape(b, t, kv, d).transpose(0, 2, 1, 3) for p in (k_pool, v_pool)]  # [B, Hkv, T, D]
+    gathered = [p[:, slots].transpose(1, 0, 2, 3) for p in (k_pool, v_pool)]  # [Hkv, B, T, D] -> [B, Hkv, T, D]
     paged = cpu.paged_attention(q, (k_pool, v_pool, slots), 0.125, mask)
     assert mx.array_equal(paged, cpu.attention(q, *gathered, 0.125, mask)).item()  # same keys, same order: same bits
 
 
 @needs_kernels
 def test_paged_attention_with_a_slot_outside_the_pool_gives_nan_not_a_stray_read():
-    pools = mx.zeros((8, 64)), mx.zeros((8, 64))
+    pools = mx.zeros((1, 8, 64)), mx.zeros((1, 8, 64))
     out = cpu.paged_attention(mx.zeros((1, 1, 1, 64)), (*pools, mx.array([[0, 9]], dtype=mx.int32)), 1.0, None)
     assert mx.isnan(out).all().item()
 
@@ -343,7 +343,7 @@ def test_attention_writes_heads_merged_as_the_transpose_would(kind):
     assert merged.shape == (2, 5, 96)
     assert mx.array_equal(merged, split.transpose(0, 2, 1, 3).reshape(2, 5, 96)).item()
     if kind != "additive":
-        pools = [x.transpose(0, 2, 1, 3).reshape(18, 32) for x in (k, v)]  # [B * T, Hkv * D]
+        pools = [x.transpose(1, 0, 2, 3).reshape(2, 18, 16) for x in (k, v)]  # [Hkv, B * T, D]
         slots = mx.arange(18, dtype=mx.int32).reshape(2, 9)
         paged = cpu.paged_attention(q, (*pools, slots), 0.25, mask, merge_heads=True)
         assert mx.array_equal(paged, merged).item()
@@ -356,23 +356,23 @@ def test_attention_writes_heads_merged_as_the_transpose_would(kind):
 def test_paged_write_stores_rows_as_the_scatter_does(b, h, n, d, seed):
     rng = np.random.default_rng(seed)
     pool_rows = 40
-    pool = mx.array(rng.standard_normal((pool_rows, h * d)), dtype=mx.float32)  # [P, H * D]
+    pool = mx.array(rng.standard_normal((h, pool_rows, d)), dtype=mx.float32)  # [H, P, D]
     rows = mx.array(rng.standard_normal((b, h, n, d)), dtype=mx.float32)  # [B, H, N, D]
     slots = mx.array(rng.permutation(pool_rows)[:b * n], dtype=mx.int32)  # [B * N]
     expected = mx.array(pool)
-    expected[slots] = rows.transpose(0, 2, 1, 3).reshape(b * n, h * d)
+    expected[:, slots] = rows.transpose(1, 0, 2, 3).reshape(h, b * n, d)
     assert mx.array_equal(cpu.paged_write(pool, slots, rows), expected).item()
 
 
 @needs_kernels
 def test_paged_write_keeps_a_pool_still_held_and_skips_slots_outside():
-    held = mx.zeros((4, 2))
+    held = mx.zeros((1, 4, 2))
     mx.eval(held)
     rows = mx.ones((1, 1, 2, 2))
     before = cpu.extension().paged_write_copies()
     out = cpu.paged_write(held, mx.array([1, 7], dtype=mx.int32), rows)  # slot 7 is past the pool
-    assert out.tolist() == [[0, 0], [1, 1], [0, 0], [0, 0]]
-    assert held.tolist() == [[0, 0]] * 4  # still referenced here: copied, not written in place
+    assert out.tolist() == [[[0, 0], [1, 1], [0, 0], [0, 0]]]
+    assert held.tolist() == [[[0, 0]] * 4]  # still referenced here: copied, not written in place
     assert cpu.extension().paged_write_copies() == before + 1
 
 

@@ -170,7 +170,7 @@ def test_decoder_stack_refuses_inputs_that_do_not_fit(tiny):
     heads, kv_heads, head_dim, dims, traditional, rope_scale, attn_scale, bias = plan.shared
     h = mx.zeros((1, 2, model.args.hidden_size))
     dense = [mx.zeros((1, kv_heads, 8, head_dim))] * (2 * len(model.layers))
-    pools = [mx.zeros((16, kv_heads * head_dim))] * (2 * len(model.layers))
+    pools = [mx.zeros((kv_heads, 16, head_dim))] * (2 * len(model.layers))
     slots = mx.zeros((2,), dtype=mx.int32)
 
     def call(weights=weights, eps=plan.eps, buffers=dense, write=None, read=None, start=0):

@@ -21,79 +21,11 @@ import structlog
 from mlx_lm.models.cache import KVCache
 
 from ..runtime.config import DEFAULT_KV_LAYOUT
-from . import cpu
-from .block_table import BLOCK, COMPACT_SLACK, BlockTable, group_size
+from .block_table import BLOCK, COMPACT_SLACK, BlockTable
 from .kv import BatchKV, RaggedKVCache
+from .kv_pool import Pool
 
 log = structlog.get_logger(__name__)
-
-
-class Pool:
-    """One layer's keys or values: ``[P, F]`` per token slot (F = H * D), fp or quantized
-    (then packed ``[P, F * bits / 32]`` uint32 plus scales and biases ``[P, F / group]``)."""
-
-    def __init__(self, heads: int, dim: int, dtype, bits: int | None):
-        self.heads, self.dim, self.dtype, self.bits = heads, dim, dtype, bits
-        self.group = group_size(heads * dim) if bits else 0
-        self.parts: list[mx.array] = []
-
-    def slots(self) -> int:
-        return self.parts[0].shape[0] if self.parts else 0
-
-    def grow(self, n_slots: int) -> None:
-        """Hold at least ``n_slots`` (a copy of what is held: rare, see GROW)."""
-        have = self.slots()
-        if n_slots <= have:
-            return
-        F = self.heads * self.dim
-        if self.bits:
-            shapes = [((F * self.bits) // 32, mx.uint32), (F // self.group, self.dtype), (F // self.group, self.dtype)]
-        else:
-            shapes = [(F, self.dtype)]
-        fresh = [mx.zeros((n_slots - have, w), t) for w, t in shapes]
-        self.parts = [mx.concatenate([p, f]) for p, f in zip(self.parts, fresh)] if self.parts else fresh
-
-    def write(self, slots: mx.array, x: mx.array) -> None:
-        """Store tokens ``x`` ``[n, F]`` at ``slots`` ``[n]``."""
-        parts = mx.quantize(x, group_size=self.group, bits=self.bits) if self.bits else [x]
-        for p, v in zip(self.parts, parts):
-            p[slots] = v
-
-    def write_heads(self, slots: mx.array, x: mx.array) -> None:
-        """Store a forward's tokens ``x`` ``[B, H, N, D]`` at ``slots`` ``[B * N]``: one
-        in-place kernel op where it applies (this pool's reference is the old array's last,
-        so its buffer is donated), else transposed to ``[B * N, F]`` and scattered."""
-        written = None if self.bits else cpu.paged_write(self.parts[0], slots, x)
-        if written is not None:
-            self.parts[0] = written
-            return
-        B, H, N, D = x.shape
-        self.write(slots, x.transpose(0, 2, 1, 3).reshape(B * N, H * D))
-
-    def read(self, index: mx.array | int, lengths: list[int]) -> mx.array:
-        """The rows' tokens as ``[B, H, T, D]`` (index: slots ``[B, T]`` or a first slot)."""
-        T = max(lengths)
-        if isinstance(index, int):
-            got = [p[index:index + T][None] for p in self.parts]  # [1, T, w]: a slice, no copy
-        else:
-            got = [p[index] for p in self.parts]  # [B, T, w]
-        x = mx.dequantize(*got, group_size=self.group, bits=self.bits) if self.bits else got[0]
-        # contiguous: MLX's CPU attention on the transposed view ran ~12x slower than on
-        # a copy (measured [16, 3, 1504, 64]: 70 ms vs 15 ms with the copy)
-        return mx.contiguous(x.reshape(*x.shape[:2], self.heads, self.dim).transpose(0, 2, 1, 3))
-
-    def move(self, src: mx.array, dst: mx.array) -> None:
-        """Copy the tokens at slots ``src`` to ``dst`` (a tree's accepted path, compacted)."""
-        for p in self.parts:
-            p[dst] = p[src]
-
-    def take(self, slots: mx.array) -> None:
-        """Keep only ``slots`` (in that order): compaction after rows leave."""
-        self.parts = [p[slots] for p in self.parts]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
 
 
 class PagedLayer(RaggedKVCache):
@@ -154,7 +86,7 @@ class PagedLayer(RaggedKVCache):
         return self.kpool.read(index, self._lengths), self.vpool.read(index, self._lengths)
 
     def paged_view(self):
-        """(key pool, value pool ``[P, H * D]``, slots ``[B, T]``) for an attention kernel that
+        """(key pool, value pool ``[H, P, D]``, slots ``[B, T]``) for an attention kernel that
         reads the pools in place; None under ``kv_bits`` (tokens stored quantized)."""
         if self.kv_bits or self.kpool is None or not any(self._lengths):
             return None

@@ -53,9 +53,9 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
   if (q.dtype() != mx::float32 || q.ndim() != 4 || k_pool.dtype() != mx::float32 || v_pool.dtype() != mx::float32)
     throw std::invalid_argument("paged_attention: float32 q [B, Hq, L, D] and pools");
   const int Hq = q.shape(1), D = q.shape(3);
-  if (k_pool.ndim() != 2 || k_pool.shape() != v_pool.shape() || D == 0 || k_pool.shape(1) % D != 0)
-    throw std::invalid_argument("paged_attention: pools [P, Hkv * D], the same for keys and values");
-  const int Hkv = k_pool.shape(1) / D;
+  if (k_pool.ndim() != 3 || k_pool.shape() != v_pool.shape() || D == 0 || k_pool.shape(2) != D)
+    throw std::invalid_argument("paged_attention: pools [Hkv, P, D], the same for keys and values");
+  const int Hkv = k_pool.shape(0);
   if (Hkv == 0 || Hq % Hkv != 0 || D > 256) throw std::invalid_argument("paged_attention: Hq a multiple of Hkv, D <= 256");
   if (slots.dtype() != mx::int32 || slots.ndim() != 2 || slots.shape(0) != q.shape(0))
     throw std::invalid_argument("paged_attention: slots int32 [B, T]");
@@ -119,8 +119,8 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const size_t mask_at = paged_ ? 4 : 3;
   if (paged_) {
     const auto& slots = inputs[3];
-    a.Hkv = k.shape(1) / a.D, a.T = slots.shape(1);
-    a.ks[0] = a.vs[0] = 0, a.ks[1] = a.vs[1] = a.D, a.ks[2] = a.vs[2] = k.shape(1);
+    a.Hkv = k.shape(0), a.T = slots.shape(1);
+    a.ks[0] = a.vs[0] = 0, a.ks[1] = a.vs[1] = static_cast<int64_t>(k.shape(1)) * a.D, a.ks[2] = a.vs[2] = a.D;
     a.slot_stride = slots.shape(1);
   } else {
     a.Hkv = k.shape(1), a.T = length_ > 0 ? length_ : k.shape(2);
@@ -130,7 +130,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     a.mask = m.data<bool>();
     a.ms[0] = m.shape(0) == 1 ? 0 : m.strides(0), a.ms[1] = m.strides(2), a.ms[2] = m.strides(3);
   }
-  const int64_t pool_rows = paged_ ? k.shape(0) : 0;
+  const int64_t pool_rows = paged_ ? k.shape(1) : 0;
   const mx::array slots = paged_ ? inputs[3] : mx::array(0);
   // weak copies, as MLX's own ops take: MLX keeps the buffers alive until the task has run, and a
   // held reference would keep a paged cache's pool from being donated to the next step's write

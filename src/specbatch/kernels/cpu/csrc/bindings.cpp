@@ -34,9 +34,9 @@ NB_MODULE(_ext, m) {
         "length > 0: the first `length` keys only (a cache buffer read in place)");
   m.def("paged_attention", &specbatch::paged_attention, nb::arg("q"), nb::arg("k_pool"), nb::arg("v_pool"),
         nb::arg("slots"), nb::arg("scale"), nb::arg("mask_kind"), nb::arg("mask"), nb::arg("merge_heads") = false,
-        "attention over pools [P, Hkv * D] read through slots [B, T] (a paged cache, no gather)");
+        "attention over pools [Hkv, P, D] read through slots [B, T] (a paged cache, no gather)");
   m.def("paged_write", &specbatch::paged_write, nb::arg("pool"), nb::arg("slots"), nb::arg("rows"),
-        "the pool [P, H * D] with rows [B, H, N, D] stored at slots [B * N], in place where donated");
+        "the pool [H, P, D] with rows [B, H, N, D] stored at slots [B * N], in place where donated");
   m.def("paged_write_copies", &specbatch::paged_write_copies, "paged writes so far that copied their pool");
   m.def("add_rms_norm", &specbatch::add_rms_norm, nb::arg("x"), nb::arg("r"), nb::arg("w"), nb::arg("eps"),
         "(x + r, rms_norm(x + r, w, eps)) in one op: a residual add and the norm after it");

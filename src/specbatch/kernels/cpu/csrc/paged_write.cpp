@@ -20,8 +20,8 @@ void paged_write_copied() { copies.fetch_add(1); }
 mx::array paged_write(const mx::array& pool, const mx::array& slots, const mx::array& rows) {
   if (pool.dtype() != mx::float32 || rows.dtype() != mx::float32)
     throw std::invalid_argument("paged_write: a float32 pool and rows");
-  if (rows.ndim() != 4 || pool.ndim() != 2 || pool.shape(1) != rows.shape(1) * rows.shape(3))
-    throw std::invalid_argument("paged_write: rows [B, H, N, D] into a pool [P, H * D]");
+  if (rows.ndim() != 4 || pool.ndim() != 3 || pool.shape(0) != rows.shape(1) || pool.shape(2) != rows.shape(3))
+    throw std::invalid_argument("paged_write: rows [B, H, N, D] into a pool [H, P, D]");
   if (slots.dtype() != mx::int32 || slots.ndim() != 1 || slots.shape(0) != rows.shape(0) * rows.shape(2))
     throw std::invalid_argument("paged_write: slots int32 [B * N]");
   auto s = mx::default_stream(mx::Device::cpu);
@@ -43,7 +43,7 @@ void PagedWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   encoder.set_output_array(out);
   const auto& rows = inputs[2];
   const int B = rows.shape(0), H = rows.shape(1), N = rows.shape(2), D = rows.shape(3);
-  const int64_t P = out.shape(0);
+  const int64_t P = out.shape(1);
   // inputs are ready only inside the task (eval_cpu runs before the ops it depends on have)
   encoder.dispatch([pool = donated ? mx::array(0.0f) : pool, donated, slots = inputs[1], rows,
                     y = out.data<float>(), B, H, N, D, P]() {
@@ -63,7 +63,7 @@ void paged_rows(const float* x, const int32_t* slots, int B, int H, int N, int D
       const int64_t slot = slots[b * N + n];
       if (slot < 0 || slot >= P) continue;
       for (int h = 0; h < H; ++h)
-        std::memcpy(pool + slot * H * D + h * D, x + ((static_cast<int64_t>(b) * H + h) * N + n) * D, D * sizeof(float));
+        std::memcpy(pool + (h * P + slot) * D, x + ((static_cast<int64_t>(b) * H + h) * N + n) * D, D * sizeof(float));
     }
 }
 

@@ -12,15 +12,16 @@ namespace specbatch {
 
 namespace mx = mlx::core;
 
-// pool [P, H * D] float32; slots int32 [B * N] (token n of row b at slots[b * N + n]); rows
-// [B, H, N, D] float32 (the head layout attention takes) -> the pool with those rows stored.
+// pool [H, P, D] float32 (each head's token slots in a row); slots int32 [B * N] (token n of row
+// b at slots[b * N + n]); rows [B, H, N, D] float32 (the head layout attention takes) -> the pool
+// with those rows stored.
 // A pool whose buffer nothing else holds is written in place (donated), else copied first;
 // one op per pool, since an input shared by a primitive's sibling outputs is never donatable.
 // A slot outside [0, P) is not written.
 mx::array paged_write(const mx::array& pool, const mx::array& slots, const mx::array& rows);
 
 // The write on rows in memory (the op's task; each layer of the decoder stack): x [B, H, N, D]
-// into pool [P, H * D] at slots [B * N].
+// into pool [H, P, D] (each head's slots in a row) at slots [B * N].
 void paged_rows(const float* x, const int32_t* slots, int B, int H, int N, int D, int64_t P, float* pool);
 
 // How many writes so far had to copy their pool (a held reference kept it from donation); a

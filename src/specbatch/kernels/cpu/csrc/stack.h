@@ -29,7 +29,7 @@ struct StackShape {
 int layer_inputs(bool bias);
 
 // Where a forward's keys and values go, per layer its keys then its values: a paged cache's
-// pools [P, Hkv * D] through slots, or dense buffers [B, Hkv, C, D] (mlx-lm's KVCache) from column
+// pools [Hkv, P, D] through slots, or dense buffers [B, Hkv, C, D] (mlx-lm's KVCache) from column
 // `start` on, every row's.
 struct StackKV {
   std::vector<mx::array> buffers;
