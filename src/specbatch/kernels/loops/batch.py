@@ -12,8 +12,9 @@ drafter untouched (no drafter rows). Arming runs a *capture round*: one plain,
 one-position forward of each row's pending token that emits one token per row, after
 which the drafter cold-starts from the captured rows.
 
-Plain rounds pipeline: a round dispatches the next round's forward before reading its
-own tokens (``mx.async_eval``), so Python overhead hides behind compute. That successor
+Plain rounds may pipeline (the machine asks where the host has a core of its own): a round
+dispatches the next round's forward before reading its own tokens (``mx.async_eval``), so
+Python overhead hides behind compute. That successor
 has already appended its KV, so any structural change (admit, remove, arm) first
 *settles*: one more plain round that dispatches no successor consumes the lookahead.
 """
