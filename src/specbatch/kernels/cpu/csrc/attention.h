@@ -12,7 +12,8 @@ namespace specbatch {
 namespace mx = mlx::core;
 
 // What one call sees; strides in floats (the head dimension D is contiguous). Paged: key
-// j of batch row b is slot slots[b * slot_stride + j] of its head's pool (ks[1]: a head's pool, ks[2]: D).
+// j of batch row b is slot slots[b * slot_stride + j] of its head's pool (ks[1], vs[1]: a head's
+// pool, P * D; ks[2], vs[2]: D).
 struct AttentionArgs {
   const float* q; const float* k; const float* v; const bool* mask; float* out;
   const int32_t* slots; int64_t slot_stride;
@@ -50,7 +51,7 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
                     const std::string& mask_kind, const mx::array& mask, bool merge_heads = false, int length = 0);
 
 // The same over a paged cache: k_pool and v_pool [Hkv, P, D] (each head's token slots in a row),
-// slots int32 [B, T]: row b's key j is pool row slots[b, j] (columns past a row's length
+// slots int32 [B, T]: row b's key j is slot slots[b, j] (columns past a row's length
 // point at any valid slot and are masked).
 mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx::array& v_pool,
                           const mx::array& slots, float scale, const std::string& mask_kind, const mx::array& mask,
