@@ -25,9 +25,10 @@ class Pool:
         self.group = group_size(heads * dim) if bits else 0
         self.axis = 0 if bits else 1  # the slot axis of every part
         self.parts: list[mx.array] = []
+        self._slots = 0  # the parts' slot count, kept here: every forward asks (an array's shape is a call)
 
     def slots(self) -> int:
-        return self.parts[0].shape[self.axis] if self.parts else 0
+        return self._slots
 
     def grow(self, n_slots: int) -> None:
         """Hold at least ``n_slots`` (a copy of what is held: rare, see block_table.GROW)."""
@@ -42,6 +43,7 @@ class Pool:
             shapes = [((self.heads, n, self.dim), self.dtype)]
         fresh = [mx.zeros(shape, dtype) for shape, dtype in shapes]
         self.parts = [mx.concatenate([p, f], axis=self.axis) for p, f in zip(self.parts, fresh)] if self.parts else fresh
+        self._slots = n_slots
 
     def write(self, slots: mx.array, x: mx.array) -> None:
         """Store tokens ``x`` ``[n, F]`` at ``slots`` ``[n]``."""
@@ -87,6 +89,7 @@ class Pool:
     def take(self, slots: mx.array) -> None:
         """Keep only ``slots`` (in that order): compaction after rows leave."""
         self.parts = [mx.take(p, slots, axis=self.axis) for p in self.parts]
+        self._slots = slots.size
 
     @property
     def nbytes(self) -> int:
