@@ -134,6 +134,7 @@ def test_quantized_rollback_is_exact(tiny, bits):
     appended = [_rows(layer, kv.lengths()) for layer in kv.layers]
     kv.trim_rows([4, 2])  # row 0 rejects all four, row 1 keeps two
     assert kv.lengths() == [held[0], held[1] + 2]
+    assert kv.nbytes == sum(a.nbytes for a in kv.arrays())  # quantized parts' bytes too
     for layer, before, row_kv in zip(kv.layers, twin.layers, appended):
         (k0, v0), (k1, v1) = _rows(layer, kv.lengths())
         assert mx.array_equal(k0, _rows(before, held)[0][0]) and mx.array_equal(v0, _rows(before, held)[0][1])
@@ -157,6 +158,7 @@ def test_paged_allocation_close_to_need(tiny):
             model(mx.array([[5] * 5] * len(lengths)), cache=kv.layers)
             kv.trim_rows([rng.randrange(0, 5) for _ in lengths])
         kv.filter([0, 2, 4, 6])
+        assert kv.nbytes == sum(a.nbytes for a in kv.arrays())  # a pool's kept count is its arrays' bytes
         ratio = kv.nbytes / kv.used_bytes()
         if bound:
             assert ratio <= bound, (layout, ratio)

@@ -25,7 +25,9 @@ class Pool:
         self.group = group_size(heads * dim) if bits else 0
         self.axis = 0 if bits else 1  # the slot axis of every part
         self.parts: list[mx.array] = []
-        self._slots = 0  # the parts' slot count, kept here: every forward asks (an array's shape is a call)
+        # the parts' slot count and bytes, kept here: every forward and every step's gauges ask (an
+        # array's shape or size is a call into MLX; 120 of them a width-1 step)
+        self._slots = self._bytes = 0
 
     def slots(self) -> int:
         return self._slots
@@ -43,7 +45,7 @@ class Pool:
             shapes = [((self.heads, n, self.dim), self.dtype)]
         fresh = [mx.zeros(shape, dtype) for shape, dtype in shapes]
         self.parts = [mx.concatenate([p, f], axis=self.axis) for p, f in zip(self.parts, fresh)] if self.parts else fresh
-        self._slots = n_slots
+        self._slots, self._bytes = n_slots, sum(p.nbytes for p in self.parts)
 
     def write(self, slots: mx.array, x: mx.array) -> None:
         """Store tokens ``x`` ``[n, F]`` at ``slots`` ``[n]``."""
@@ -89,8 +91,8 @@ class Pool:
     def take(self, slots: mx.array) -> None:
         """Keep only ``slots`` (in that order): compaction after rows leave."""
         self.parts = [mx.take(p, slots, axis=self.axis) for p in self.parts]
-        self._slots = slots.size
+        self._slots, self._bytes = slots.size, sum(p.nbytes for p in self.parts)
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        return self._bytes
