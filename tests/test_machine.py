@@ -343,3 +343,26 @@ def test_plain_rounds_dispatch_a_successor_only_where_the_host_has_a_core(tiny, 
         run, _ = drive(core, run=run)
         assert [len(run.tokens[i]) for i in ids] == [12, 12]
         assert [run.tokens[i] for i in ids] == plain_streams(tiny, [(LONG, greedy(12)), ("def g(y):", greedy(12))])
+
+
+def test_a_spare_core_is_one_the_kernel_threads_leave(monkeypatch):
+    """On the CPU the host has a core of its own only where the kernels' threads number fewer than
+    the process's cores; with the kernels off, MLX's ops and the BLAS take every core."""
+    import mlx.core as mx
+
+    from specbatch.kernels import build
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("a GPU computes here: the host always has its cores")
+
+    class Ext:
+        def __init__(self, n):
+            self.n = n
+
+        def threads(self):
+            return self.n
+
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for ext, spare in ((Ext(4), False), (Ext(3), True), (None, False)):
+        monkeypatch.setattr(build.cpu, "extension", lambda ext=ext: ext)
+        assert build.spare_core() is spare
