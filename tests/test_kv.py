@@ -179,3 +179,26 @@ def test_engine_with_8bit_kv_serves_a_speculating_batch(tiny, tiny_draft):
         stats = engine.stats()
     assert [len(r.token_ids) for r in results] == [12] * 4
     assert stats["spec_rounds"] > 0 and stats["accepted_tokens"] < stats["drafted_tokens"]  # rows rolled back
+
+
+def test_a_float_pool_stores_heads_alike_with_the_kernels_or_without():
+    """Head-major float pools ``[H, P, D]``: the kernel's in-place write and the scatter it falls
+    back to store a forward's heads at the same slots, bit for bit."""
+    from specbatch.kernels import cpu
+    from specbatch.kernels.kv_pool import Pool
+
+    x = mx.random.normal((2, 3, 4, 8), key=mx.random.key(1))  # [B, H, N, D]
+    slots = mx.array([9, 2, 30, 31, 16, 17, 18, 0], dtype=mx.int32)  # [B * N]
+    pools = []
+    for off in (False, True):
+        pool = Pool(3, 8, mx.float32, None)
+        pool.grow(32)
+        if off:
+            with cpu.disabled():
+                pool.write_heads(slots, x)
+        else:
+            pool.write_heads(slots, x)
+        pools.append(pool.parts[0])
+    assert pools[0].shape == (3, 32, 8)
+    assert mx.array_equal(pools[0], pools[1]).item()
+    assert mx.array_equal(pools[0][:, slots[:4]], x[0]).item()  # row 0's tokens, [H, N, D]

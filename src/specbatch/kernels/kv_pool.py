@@ -58,13 +58,17 @@ class Pool:
     def write_heads(self, slots: mx.array, x: mx.array) -> None:
         """Store a forward's tokens ``x`` ``[B, H, N, D]`` at ``slots`` ``[B * N]``: one
         in-place kernel op where it applies (this pool's reference is the old array's last,
-        so its buffer is donated), else through ``write``."""
-        written = None if self.bits else cpu.paged_write(self.parts[0], slots, x)
+        so its buffer is donated), else scattered: a float pool takes the heads as they are, a
+        quantized one token rows ``[B * N, H * D]``."""
+        B, H, N, D = x.shape
+        if self.bits:
+            self.write(slots, x.transpose(0, 2, 1, 3).reshape(B * N, H * D))
+            return
+        written = cpu.paged_write(self.parts[0], slots, x)
         if written is not None:
             self.parts[0] = written
-            return
-        B, H, N, D = x.shape
-        self.write(slots, x.transpose(0, 2, 1, 3).reshape(B * N, H * D))
+        else:
+            self.parts[0][:, slots] = x.transpose(1, 0, 2, 3).reshape(H, B * N, D)  # [H, B * N, D]
 
     def read(self, index: mx.array | int, lengths: list[int]) -> mx.array:
         """The rows' tokens as ``[B, H, T, D]`` (index: slots ``[B, T]`` or a first slot)."""
