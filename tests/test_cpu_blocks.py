@@ -1,12 +1,15 @@
 """Quantized blocks for decode and verify rows (kernels.cpu.blocks): a matrix holding its 4- or
-8-bit blocks' float32 values (q * scale + bias, one rounding) read as those blocks gives the
-float32 path's bits at every row count, in the kernel, the fused ops, a reduced head's gathered
-rows, a whole model and its streams."""
+8-bit blocks' float32 values (q * scale + bias, one rounding) read as those blocks. 8-bit blocks
+give the float32 path's bits at small row counts; 4-bit blocks sum their own way (each group's
+partial sum scaled once), within rounding of the exact product. Either way a row's bits never
+depend on the rows beside it: in the kernel, the fused ops, a reduced head's gathered rows, a
+whole model and its streams."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -31,14 +34,43 @@ def _blocks(n: int, k: int, seed: int, bits: int = 4):
     return values, qw, scales, biases
 
 
+def _rounding(x: mx.array, w: mx.array, y: mx.array) -> float:
+    """The worst error of ``y`` against the exact ``x @ w.T``, over each element's sum of |x w|
+    (the scale any float32 summation order's rounding has)."""
+    x64, w64 = np.asarray(x).astype(np.float64), np.asarray(w).astype(np.float64)
+    return float((np.abs(np.asarray(y) - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T)).max())
+
+
 @needs_blocks
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 150), groups=st.integers(1, 40), seed=st.integers(0, 2**16), bits=st.sampled_from((4, 8)))
+@given(n=st.integers(1, 200), groups=st.integers(1, 40), seed=st.integers(0, 2**16))
+# a part of one 64-row tile group, tile groups split between threads at 16 rows, several whole
+@example(n=5, groups=19, seed=1)
+@example(n=150, groups=3, seed=2)
+@example(n=192, groups=18, seed=3)
+def test_4_bit_blocks_sum_each_row_alone_within_rounding_of_the_exact_product(n, groups, seed):
+    w, qw, scales, biases = _blocks(n, 32 * groups, seed, 4)
+    x = mx.random.normal((40, 32 * groups), key=mx.random.key(seed + 1))
+    assert ext.blocks_register(w, qw, scales, biases, 4)
+    try:
+        full = ext.small_linear(x, w)  # 40 rows: passes of 6 (AVX-512) or 2 (AVX2) token rows
+        alone = mx.concatenate([ext.small_linear(x[i:i + 1], w) for i in range(40)])
+        assert mx.array_equal(full, alone).item()
+        for m in (2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 33):
+            assert mx.array_equal(ext.small_linear(x[:m], w), full[:m]).item(), m
+        # ~5e-8 measured; MLX's quantized_matmul and the BLAS ~1.5e-7; one wrong weight ~1e-3
+        assert _rounding(x, w, full) < 1e-6
+    finally:
+        ext.blocks_clear()
+
+
+@needs_blocks
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 150), groups=st.integers(1, 40), seed=st.integers(0, 2**16))
 # past the walk's first span of widened scales (8 blocks), whole and half last blocks
-@example(n=5, groups=19, seed=1, bits=4)
-@example(n=3, groups=17, seed=2, bits=8)
-@example(n=7, groups=34, seed=3, bits=4)
-def test_blocks_give_the_float32_paths_bits_at_every_row_count(n, groups, seed, bits):
+@example(n=3, groups=17, seed=2)
+def test_8_bit_blocks_give_the_float32_paths_bits_at_every_row_count(n, groups, seed):
+    bits = 8
     w, qw, scales, biases = _blocks(n, 32 * groups, seed, bits)
     x = mx.random.normal((33, 32 * groups), key=mx.random.key(seed + 1))
     counts = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33)  # 1-4: one pass; 5-32: passes of up to 8; 33: the matrix
@@ -78,7 +110,7 @@ def test_the_values_are_what_mlxs_quantized_matmul_multiplies(bits):
 
 
 @needs_blocks
-def test_the_fused_ops_read_blocks_with_the_same_bits():
+def test_the_fused_ops_read_4_bit_blocks_row_by_row():
     keys = mx.random.split(mx.random.key(7), 4)
     mats = {name: _blocks(rows, cols, i) for i, (name, rows, cols) in
             enumerate((("q", 64, 64), ("k", 32, 64), ("v", 32, 64), ("g", 96, 64), ("u", 96, 64), ("d", 64, 96)))}
@@ -93,12 +125,16 @@ def test_the_fused_ops_read_blocks_with_the_same_bits():
                *ext.gate_up(xs, w["g"], w["u"]), ext.mlp_block(xs, rs, norm, 1e-5, w["g"], w["u"], w["d"])]
         mx.eval(out)
         return out
-    before = {rows: run(rows) for rows in (1, 2, 6)}
+    before = run(6)  # the float32 matrices
     for parts in mats.values():
         assert ext.blocks_register(*parts, 4)
     try:
-        for rows, want in before.items():
-            assert all(mx.array_equal(a, b).item() for a, b in zip(run(rows), want)), rows
+        six = run(6)
+        # within float32 rounding of the float32 matrices' outputs (~4e-7 of the largest measured)
+        assert all((mx.abs(a - b).max() < 1e-5 * mx.abs(b).max()).item() for a, b in zip(six, before))
+        assert not all(mx.array_equal(a, b).item() for a, b in zip(six, before))  # the blocks were read
+        for rows in (1, 2):  # a row's bits whatever rows follow it
+            assert all(mx.array_equal(a, b[..., :rows, :]).item() for a, b in zip(run(rows), six)), rows
     finally:
         ext.blocks_clear()
 
@@ -125,11 +161,11 @@ def test_gathered_rows_read_their_blocks_with_the_same_bits(bits):
     ids = mx.array([299, 0, 17, 17, 150, 3], dtype=mx.int32)
     rows = w[ids]
     x = mx.random.normal((9, 96), key=mx.random.key(6))
-    before = [ext.small_linear(x[:m], rows) for m in (1, 4, 9)]
-    mx.eval(before)
     assert not ext.blocks_register_rows(rows, w, ids)  # the whole matrix reads no blocks yet
     assert ext.blocks_register(w, qw, scales, biases, bits)
     try:
+        before = [ext.small_linear(x[:m], w)[:, ids] for m in (1, 4, 9)]  # those rows of the whole
+        mx.eval(before)
         assert not ext.blocks_register_rows(rows * 2, w, ids)  # not its rows
         assert not ext.blocks_register_rows(rows, w, ids[:-1])
         assert ext.blocks_register_rows(rows, w, ids)
@@ -166,20 +202,23 @@ def pair(tmp_path_factory):
 
 
 @needs_blocks
-def test_a_model_reading_blocks_gives_its_float32_matrices_logits_and_streams(pair, tiny_draft):
+def test_a_model_reading_blocks_keeps_each_rows_bits_near_its_float32_matrices(pair, tiny_draft):
     plain, blocks = pair
     assert ext.blocks_count() == LAYER_MATRICES + 1
     assert all(m.weight.dtype == mx.float32 for _, m in blocks.model.named_modules()
                if isinstance(m, (FastLinear, FastEmbedding)))
-    for rows, positions in ((1, 1), (1, 2), (1, 3), (1, 4), (3, 1), (2, 1), (4, 1), (1, 5), (8, 2), (1, 40)):
+    for rows, positions in ((1, 1), (1, 2), (1, 4), (3, 1), (4, 1), (8, 2), (1, 40)):
         tokens = mx.random.randint(0, 200, (rows, positions), key=mx.random.key(rows * 100 + positions))
-        assert mx.array_equal(plain.model(tokens), blocks.model(tokens)).item(), (rows, positions)
+        logits = blocks.model(tokens)  # [rows, positions, vocab]
+        assert mx.allclose(logits, plain.model(tokens), rtol=1e-4, atol=1e-4).item(), (rows, positions)
+        for i in range(rows):  # each sequence's bits whatever sequences share the forward
+            assert mx.array_equal(logits[i:i + 1], blocks.model(tokens[i:i + 1])).item(), (rows, positions, i)
     from specbatch.tools.bench import kernels
     assert kernels.weight_bytes(blocks.model) < kernels.weight_bytes(plain.model) / 2  # what a width-1 step reads
     for params in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 4}):
-        assert run_plain(blocks, "blocks", max_tokens=20, **params) == run_plain(plain, "blocks", max_tokens=20, **params)
-        assert run_scalar(blocks, tiny_draft, "blocks", k=2, max_tokens=20, **params)[0] == \
-            run_scalar(plain, tiny_draft, "blocks", k=2, max_tokens=20, **params)[0]
+        want = run_plain(blocks, "blocks", max_tokens=20, **params)
+        assert run_scalar(blocks, tiny_draft, "blocks", k=2, max_tokens=20, **params)[0] == want
+        assert run_scalar(blocks, tiny_draft, "blocks", k=4, max_tokens=20, **params)[0] == want
 
 
 @needs_blocks
@@ -238,9 +277,40 @@ def test_a_models_blocks_are_released_with_it(tmp_path):
     assert ext.blocks_count() == before
 
 
+_BOTH_ISAS = """
+import sys
+import mlx.core as mx
+sys.path.insert(0, {tests!r})
+from test_cpu_blocks import _blocks, ext
+w, qw, scales, biases = _blocks(150, 96, 21, 4)
+assert ext.blocks_register(w, qw, scales, biases, 4)
+x = mx.random.normal((7, 96), key=mx.random.key(22))
+mx.save({out!r}, ext.small_linear(x, w))
+"""
+
+
+@needs_blocks
+def test_the_4_bit_tiles_give_the_same_bits_on_both_isas(tmp_path):
+    """The AVX-512 and AVX2 tiles run each row's FMAs in the same order: the same bits."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    if cpu.status().isa != "avx512":
+        pytest.skip("one ISA here")
+    outs = []
+    for isa in ("avx512", "avx2"):
+        out = tmp_path / f"{isa}.npy"
+        script = _BOTH_ISAS.format(tests=str(Path(__file__).parent), out=str(out))
+        subprocess.run([sys.executable, "-c", script], env={**os.environ, "SPECBATCH_CPU_ISA": isa}, check=True, timeout=120)
+        outs.append(mx.load(str(out)))
+    assert mx.array_equal(*outs).item()
+
+
 @needs_blocks
 def test_the_avx2_tile_passes_the_same_checks():
-    """The 8-lane tile (each value one FMA, no table) gives the AVX2 float32 path's bits."""
+    """The 8-lane tiles pass the same checks (4 bits: rows alone, near the exact product; 8 bits: the
+    AVX2 float32 path's bits)."""
     from helpers import assert_passes_on_avx2
     assert_passes_on_avx2(__file__)
 

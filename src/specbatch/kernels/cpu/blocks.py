@@ -2,14 +2,16 @@
 (the embedded target's GGUF: its linears Q4_1, its tied embedding and output head Q8_0; 32
 weights a group, a float16 scale and bias each) holds their float32 values, ``q * scale + bias``
 rounded once (what MLX's ``quantized_matmul`` computes with float32 activations, and llama.cpp's
-Q4_1 and Q8_0), and is read as those blocks by up to 32 token rows: 0.75 (4 bits) or 1.25 (8
-bits) bytes a weight instead of 4 (the kernel keeps its own copy, nibbles repacked and scales
-widened). Every weight the kernel rebuilds is the matrix's own value and every sum the float32
-path's, bit for bit (``register`` checks the whole matrix first; prefill's wider inputs read the
-matrix itself).
+Q4_1 and Q8_0), and is read as those blocks: 0.625 (4 bits) or 1.125 (8 bits) bytes a weight
+instead of 4 (the kernel keeps its own copy, repacked). Every weight the kernel rebuilds is the
+matrix's own value (``register`` checks the whole matrix first). 8-bit blocks serve up to 32 token
+rows with the float32 path's sums bit for bit (wider inputs read the matrix itself); 4-bit blocks
+serve any rows with sums of their own (each group's partial sum scaled once: within rounding of
+the float32 path, ~5e-8 of sum |x w| from the exact product), so a model reading them decodes a
+little differently from its float32 matrices, and every row still has the bits it has alone.
 
-Where the kernel reads blocks (the extension on AVX-512, or AVX2 with FMA: an 8-lane tile that
-computes each value in one FMA), ``dequantize`` gives those linears and embeddings their float32
+Where the kernel reads blocks (the extension on AVX-512, or AVX2 with FMA and F16C),
+``dequantize`` gives those linears and embeddings their float32
 values; elsewhere (no extension, ``SPECBATCH_BLOCKS=0``) mlx-lm's dequantization stands: float16
 arithmetic, whose values a float16 matrix holds exactly (``half``).
 

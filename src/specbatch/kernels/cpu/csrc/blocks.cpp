@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "mlx/ops.h"
+#include "q4_impl.h"
 #include "mlx/transforms.h"
 
 namespace specbatch {
@@ -14,8 +15,9 @@ namespace {
 
 struct Entry {
   mx::array weight;             // the registry's key: held, so its buffer never moves or frees
-  std::vector<uint8_t> packed;  // [N, ceil(K / 64), 64 * bits / 8] (below)
-  std::vector<uint16_t> sb;     // [N, K / 32, 2]: each group's scale and bias, float16 bits, then padding
+  std::vector<uint8_t> packed;  // 8 bits: [N, ceil(K / 64), 64]; 4 bits: q4_impl.h's records (below)
+  std::vector<uint16_t> sb;     // 8 bits: [N, K / 32, 2], each group's scale and bias, float16 bits, then padding
+  int K;
   int bits;
 };
 
@@ -25,29 +27,62 @@ std::unordered_map<const void*, Entry>& registry() {
   return r;
 }
 
-// The tiles' layout (gemv.h's BlockView), from q's elements packed as MLX packs them (element i of
-// a row in bits [bits * i, bits * (i + 1)) of its uint32 words, little-endian): at 8 bits a
-// block is its 64 bytes in order; at 4 bits 16 words, word l holding in its nibble c the weight
-// 16c + l (why: q4_avx512.cpp). A half block (K / 32 odd) is padded with zeros.
+// The 8-bit tiles' layout (gemv.h's BlockView), from q's elements packed as MLX packs them (element
+// i of a row in bits [bits * i, bits * (i + 1)) of its uint32 words, little-endian): a block is its
+// 64 bytes in order, a half block (K / 32 odd) padded with zeros.
 int element(const uint8_t* q, long at, int bits) {
   return bits == 8 ? q[at] : at % 2 ? q[at / 2] >> 4 : q[at / 2] & 15;
 }
 
-std::vector<uint8_t> pack(const uint8_t* q, int N, int K, int bits) {
-  const int blocks = (K + 63) / 64, bytes = 8 * bits;
-  std::vector<uint8_t> out(static_cast<size_t>(N) * blocks * bytes, 0);
+std::vector<uint8_t> pack8(const uint8_t* q, int N, int K) {
+  const int blocks = (K + 63) / 64;
+  std::vector<uint8_t> out(static_cast<size_t>(N) * blocks * 64, 0);
   for (long n = 0; n < N; ++n)
-    for (int k = 0; k < K; ++k) {
-      uint8_t* block = out.data() + (n * blocks + k / 64) * bytes;
-      const int v = element(q, n * K + k, bits), i = k % 64;
-      if (bits == 8) {
-        block[i] = static_cast<uint8_t>(v);
-      } else {
-        const uint16_t word = static_cast<uint16_t>(v << (4 * (i / 16)));
-        block[2 * (i % 16)] |= word & 0xff, block[2 * (i % 16) + 1] |= word >> 8;
-      }
-    }
+    for (int k = 0; k < K; ++k) out[(n * blocks + k / 64) * 64 + k % 64] = static_cast<uint8_t>(element(q, n * K + k, 8));
   return out;
+}
+
+// The 4-bit tiles' records (q4_impl.h): per tile group of 64 weight rows (the last padded with
+// zero rows) and group of 32 k, the 4 x 4 x 16 words of nibbles, then each slab's 16 scales and 16
+// biases as their float16 bits. `value(n, k)` gives a nibble, `half(n, g, which)` a scale (0) or
+// bias (1).
+template <class Value, class Half>
+std::vector<uint8_t> pack4(int N, int K, Value value, Half half) {
+  namespace q4 = q4_impl;
+  const int G = K / 32, groups = (N + q4::kTileRows - 1) / q4::kTileRows;
+  std::vector<uint8_t> out(static_cast<size_t>(groups) * G * q4::kRecordBytes, 0);
+  for (long n = 0; n < N; ++n) {
+    const long tg = n / q4::kTileRows, slab = n % q4::kTileRows / q4::kSlab, lane = n % q4::kSlab;
+    for (int g = 0; g < G; ++g) {
+      uint8_t* record = out.data() + (tg * G + g) * q4::kRecordBytes;
+      for (int k = 32 * g; k < 32 * (g + 1); ++k) {
+        auto* word = reinterpret_cast<uint32_t*>(record + ((k % 32 / 8 * q4::kSlabs + slab) * q4::kSlab + lane) * 4);
+        *word |= static_cast<uint32_t>(value(n, k)) << (4 * (k % 8));
+      }
+      auto* halves = reinterpret_cast<uint16_t*>(record + q4::kWordsBytes) + slab * 2 * q4::kSlab + lane;
+      halves[0] = half(n, g, 0), halves[q4::kSlab] = half(n, g, 1);
+    }
+  }
+  return out;
+}
+
+// Element (n, k) and the scale / bias of row n's group g, read back out of pack4's records.
+int record_nibble(const std::vector<uint8_t>& packed, int K, long n, int k) {
+  namespace q4 = q4_impl;
+  const long tg = n / q4::kTileRows, slab = n % q4::kTileRows / q4::kSlab, lane = n % q4::kSlab;
+  const uint8_t* record = packed.data() + (tg * (K / 32) + k / 32) * q4::kRecordBytes;
+  uint32_t word;
+  std::memcpy(&word, record + ((k % 32 / 8 * q4::kSlabs + slab) * q4::kSlab + lane) * 4, 4);
+  return (word >> (4 * (k % 8))) & 15;
+}
+
+uint16_t record_half(const std::vector<uint8_t>& packed, int K, long n, int g, int which) {
+  namespace q4 = q4_impl;
+  const long tg = n / q4::kTileRows, slab = n % q4::kTileRows / q4::kSlab, lane = n % q4::kSlab;
+  uint16_t h;
+  std::memcpy(&h, packed.data() + (tg * (K / 32) + g) * q4::kRecordBytes + q4::kWordsBytes +
+                      ((slab * 2 + which) * q4::kSlab + lane) * 2, 2);
+  return h;
 }
 
 // The checkpoint's float16 scale and bias of each group, side by side as their bits (what the
@@ -82,6 +117,10 @@ bool rebuilds(const mx::array& m, const uint8_t* q, const std::vector<uint16_t>&
     }
   return true;
 }
+// The bytes a decode row reads of an entry's blocks (4 bits: the records, padding rows and all).
+int64_t held_bytes(const Entry& e) {
+  return static_cast<int64_t>(e.packed.size() + (e.sb.empty() ? 0 : (e.sb.size() - kScalePad) * sizeof(uint16_t)));
+}
 }  // namespace
 
 int64_t blocks_register(const mx::array& weight, const mx::array& q, const mx::array& scales,
@@ -101,8 +140,14 @@ int64_t blocks_register(const mx::array& weight, const mx::array& q, const mx::a
   const auto* elements = reinterpret_cast<const uint8_t*>(q.data<uint32_t>());
   auto sb = half_pairs(scales, biases);
   if (!rebuilds(weight, elements, sb, bits)) return 0;
-  Entry e{weight, pack(elements, N, K, bits), std::move(sb), bits};
-  const int64_t bytes = static_cast<int64_t>(e.packed.size() + (e.sb.size() - kScalePad) * sizeof(uint16_t));
+  Entry e{weight, {}, {}, K, bits};
+  if (bits == 8) {
+    e.packed = pack8(elements, N, K), e.sb = std::move(sb);
+  } else {
+    e.packed = pack4(N, K, [&](long n, int k) { return element(elements, n * K + k, 4); },
+                     [&](long n, int g, int which) { return sb[(n * (K / 32) + g) * 2 + which]; });
+  }
+  const int64_t bytes = held_bytes(e);
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().insert_or_assign(weight.data<void>(), std::move(e));
   return bytes;
@@ -120,18 +165,23 @@ int64_t blocks_register_rows(const mx::array& rows, const mx::array& weight, con
   auto it = registry().find(weight.data<void>());
   if (it == registry().end()) return 0;
   const Entry& whole = it->second;
-  const size_t packed_row = whole.packed.size() / N;
-  Entry e{rows, std::vector<uint8_t>(R * packed_row), std::vector<uint16_t>(static_cast<size_t>(R) * G * 2 + kScalePad, 0),
-          whole.bits};
-  for (int r = 0; r < R; ++r) {
-    const int n = ids.data<int32_t>()[r];
-    // the gathered row must be the registered one's, value for value (what the blocks rebuild)
-    if (n < 0 || n >= N || std::memcmp(rows.data<uint8_t>() + r * row_bytes, weight.data<uint8_t>() + n * row_bytes, row_bytes))
+  const int32_t* at = ids.data<int32_t>();
+  for (int r = 0; r < R; ++r)  // the gathered row must be the registered one's, value for value (what the blocks rebuild)
+    if (at[r] < 0 || at[r] >= N || std::memcmp(rows.data<uint8_t>() + r * row_bytes, weight.data<uint8_t>() + at[r] * row_bytes, row_bytes))
       return 0;
-    std::memcpy(e.packed.data() + r * packed_row, whole.packed.data() + n * packed_row, packed_row);
-    std::memcpy(e.sb.data() + static_cast<size_t>(r) * G * 2, whole.sb.data() + static_cast<size_t>(n) * G * 2, G * 2 * sizeof(uint16_t));
+  Entry e{rows, {}, {}, K, whole.bits};
+  if (whole.bits == 4) {
+    e.packed = pack4(R, K, [&](long r, int k) { return record_nibble(whole.packed, K, at[r], k); },
+                     [&](long r, int g, int which) { return record_half(whole.packed, K, at[r], g, which); });
+  } else {
+    const size_t packed_row = whole.packed.size() / N;
+    e.packed.resize(R * packed_row), e.sb.assign(static_cast<size_t>(R) * G * 2 + kScalePad, 0);
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(e.packed.data() + r * packed_row, whole.packed.data() + at[r] * packed_row, packed_row);
+      std::memcpy(e.sb.data() + static_cast<size_t>(r) * G * 2, whole.sb.data() + static_cast<size_t>(at[r]) * G * 2, G * 2 * sizeof(uint16_t));
+    }
   }
-  const int64_t bytes = static_cast<int64_t>(e.packed.size() + (e.sb.size() - kScalePad) * sizeof(uint16_t));
+  const int64_t bytes = held_bytes(e);
   registry().insert_or_assign(rows.data<void>(), std::move(e));
   return bytes;
 }

@@ -1,12 +1,12 @@
 // Quantized weights for decode and verify rows: a matrix that came from affine blocks (32 weights
 // a group, a float16 scale and bias each, as MLX quantizes the GGUF's Q4_0 / Q4_1 at 4 bits and
 // Q8_0 at 8) and holds their float32 values, q * scale + bias with one rounding (what MLX's
-// quantized_matmul computes with float32 activations), is read as those blocks by up to kMaxRows
-// token rows: 0.625 (4 bits) or 1.125 (8 bits) bytes a weight instead of 4 (the 4-bit nibbles
-// repacked, each group's scale and bias kept as its float16 bits and widened as the walk streams
-// them; the tiles: blocks_impl.h, one per width and ISA in q4_*.cpp and q8_*.cpp).
-// Registration checks every value against the matrix first, so every sum is the float32 path's,
-// bit for bit.
+// quantized_matmul computes with float32 activations), is read as those blocks: 0.625 (4 bits) or
+// 1.125 (8 bits) bytes a weight instead of 4, each group's scale and bias kept as its float16 bits
+// and widened as the walk streams them. 8 bits: up to kMaxRows token rows, every sum the float32
+// path's bit for bit (blocks_impl.h, q8_*.cpp); 4 bits: any rows, weight rows in vector lanes and
+// each group's partial sum scaled once, within rounding of the float32 path (q4_impl.h, q4_*.cpp).
+// Registration checks every value against the matrix first.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
-// The blocks' walk, shared by the tiles of each width and ISA (q4_avx512.cpp, q4_avx2.cpp,
-// q8_avx512.cpp, q8_avx2.cpp, each file compiled for its own; they differ only in how a block's
-// weights come out of its bytes, `Ops`).
+// The 8-bit blocks' walk, shared by the tiles of each ISA (q8_avx512.cpp, q8_avx2.cpp, each file
+// compiled for its own; they differ only in how a block's weights come out of its bytes, `Ops`;
+// the 4-bit blocks have their own walk and layout, q4_impl.h).
 // Each (token row, weight row) pair sums k in order per vector lane, the float32 kernel's order on
 // that ISA, and reduces the lanes the same way, so a row's bits never depend on the others.
 //

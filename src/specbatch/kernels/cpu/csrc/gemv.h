@@ -32,21 +32,22 @@ void gemv_avx2(const float* x, int M, int K, const uint16_t* w, int n0, int n1, 
 void gemv_avx512(const float* x, int M, int K, const float* w, int n0, int n1, float* y, int N);
 void gemv_avx512(const float* x, int M, int K, const uint16_t* w, int n0, int n1, float* y, int N);
 
-// A matrix's registered blocks as the tiles read them (blocks.h): 64 weights a block, each group of
-// 32 with its scale and bias side by side as float16 bits (the checkpoint's own: widened exactly
-// by the walk, blocks_impl.h). 4 bits: a block is 16 words, word l holding in its nibble c weight
-// 16c + l; 8 bits: a block is its 64 bytes in order.
+// A matrix's registered blocks as the tiles read them (blocks.h). 8 bits: 64 weights a block, its
+// 64 bytes in order, each group of 32 with its scale and bias side by side as float16 bits in sb
+// (the checkpoint's own: widened exactly by the walk, blocks_impl.h). 4 bits: q4_impl.h's
+// records, scales and biases inside them (sb unused).
 struct BlockView {
   const uint8_t* packed = nullptr;
-  const uint16_t* sb = nullptr;  // [N, K / 32, 2], then kScalePad halves of padding
+  const uint16_t* sb = nullptr;  // 8 bits: [N, K / 32, 2], then kScalePad halves of padding
   int bits = 0;
 };
 
 // Halves past the last row's scales, so the walk widens whole spans without a bounds check.
 constexpr int kScalePad = 32;
 
-// The same y for M <= 32 token rows read from 4-bit (q4_*.cpp) or 8-bit (q8_*.cpp) blocks: the
-// same sums, in the same order, as gemv_avx512 (gemv_avx2) over the blocks' float32 values.
+// The same y read from blocks. 8 bits (q8_*.cpp, M <= 32 token rows): the same sums, in the same
+// order, as gemv_avx512 (gemv_avx2) over the blocks' float32 values. 4 bits (q4_*.cpp, any M):
+// sums of their own, each group's partial sum scaled once, the same bits on both ISAs.
 void gemv_q4_avx512(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N);
 void gemv_q4_avx2(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N);
 void gemv_q8_avx512(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N);

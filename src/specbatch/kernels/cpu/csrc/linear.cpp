@@ -93,8 +93,9 @@ void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) 
   for (const auto& t : targets) N += t.rows;
   const bool wide = detect_isa() == Isa::avx512;
   auto kernel = [wide](const float* x, int M, int K, const Weights& w, int a, int b, float* y, int ldy) {
-    // registered blocks for every small-M row count: the stored float32 matrix is 4 bytes a weight
-    if (w.blocks.bits == 4 && M <= kMaxRows)
+    // registered 4-bit blocks at every row count (their sums are their own: wider inputs on the
+    // kernel keep a decode row's bits); 8-bit ones for small M (the stored matrix's sums beyond)
+    if (w.blocks.bits == 4)
       return wide ? gemv_q4_avx512(x, M, K, w.blocks, a, b, y, ldy) : gemv_q4_avx2(x, M, K, w.blocks, a, b, y, ldy);
     if (w.blocks.bits == 8 && M <= kMaxRows)
       return wide ? gemv_q8_avx512(x, M, K, w.blocks, a, b, y, ldy) : gemv_q8_avx2(x, M, K, w.blocks, a, b, y, ldy);
