@@ -9,8 +9,8 @@ against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
   limit; numpy's sgemv reached 15-21 GB/s on a Zen 4 VM where this read 27-35);
 - the compute bound: every weight times every token row (two FLOPs each) over the float32
   FMA peak all kernel threads reach at once (``fma_peak_gflops``); a shape's roofline is the
-  larger of its bytes (the quantized blocks up to ``blocks_max_rows`` token rows, the stored matrices
-  beyond) over the read bandwidth and its FLOPs over that peak;
+  larger of its bytes (the quantized blocks at every row count) over the read bandwidth and its
+  FLOPs over that peak;
 - forward of ``rows x positions`` tokens over a 128-token context (decode steps at widths
   1-16, verifies of 2-16 positions at width 1), kernels on (through the engine's runner, as
   the engine builds a forward) and off (off: MLX's ops on the float32 weights mlx-lm runs),
@@ -136,7 +136,6 @@ def suite_kernels(ctx) -> dict:
     peak = ext.fma_peak_gflops() if ext is not None else 0.0
     read = ext.read_bandwidth_gbs() if ext is not None else probe
     read_bound_ms = total / read / 1e6
-    block_rows = ext.blocks_max_rows if ext is not None else 0
     stored = sum(w.nbytes for w in _matrices(model))
     weights = sum(w.size for w in _matrices(model))
     times = forward_times(model, SHAPES, repeats, baseline=ctx.mlx_lm_model)
@@ -144,7 +143,7 @@ def suite_kernels(ctx) -> dict:
     rows = []
     for r, n in SHAPES:
         on, off = times[(r, n, True)], times[(r, n, False)]
-        read_ms = (total if r * n <= block_rows else stored) / read / 1e6
+        read_ms = total / read / 1e6
         compute_ms = 2 * weights * r * n / peak / 1e6 if peak else 0.0
         roofline = max(read_ms, compute_ms)
         rows.append({"rows": r, "positions": n, "kernels_ms": on, "mlx_ops_ms": off, "speedup": off / on,

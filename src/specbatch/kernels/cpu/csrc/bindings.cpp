@@ -92,7 +92,7 @@ NB_MODULE(_ext, m) {
         "split the kernels evaluated from now on over at most `threads` threads (0: all)");
   m.def("blocks_register", &specbatch::blocks_register, nb::arg("weight"), nb::arg("q"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("bits"),
-        "read a matrix's affine 4- or 8-bit blocks for up to max_rows token rows, where they rebuild its values "
+        "read a matrix's affine 4- or 8-bit blocks for every row count, where they rebuild its values "
         "bit for bit (q * scale + bias in float32); the bytes a decode row then reads, 0 where refused");
   m.def("blocks_register_rows", &specbatch::blocks_register_rows, nb::arg("rows"), nb::arg("weight"), nb::arg("ids"),
         "read `rows` (= weight[ids]) as those rows of `weight`'s registered blocks; the bytes a decode row then "
@@ -116,5 +116,4 @@ NB_MODULE(_ext, m) {
   m.attr("built_for_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) +
                             "." + std::to_string(MLX_VERSION_PATCH);
   m.attr("max_rows") = specbatch::kMaxRows;
-  m.attr("blocks_max_rows") = specbatch::kMaxRows;  // token rows that read blocks; more read the stored matrix
 }

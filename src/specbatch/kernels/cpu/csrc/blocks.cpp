@@ -7,16 +7,17 @@
 #include <vector>
 
 #include "mlx/ops.h"
-#include "q4_impl.h"
 #include "mlx/transforms.h"
+#include "blocks_impl.h"
 
 namespace specbatch {
 namespace {
 
+namespace walk = blocks_impl;
+
 struct Entry {
   mx::array weight;             // the registry's key: held, so its buffer never moves or frees
-  std::vector<uint8_t> packed;  // 8 bits: [N, ceil(K / 64), 64]; 4 bits: q4_impl.h's records (below)
-  std::vector<uint16_t> sb;     // 8 bits: [N, K / 32, 2], each group's scale and bias, float16 bits, then padding
+  std::vector<uint8_t> packed;  // blocks_impl.h's records (below)
   int K;
   int bits;
 };
@@ -27,68 +28,71 @@ std::unordered_map<const void*, Entry>& registry() {
   return r;
 }
 
-// The 8-bit tiles' layout (gemv.h's BlockView), from q's elements packed as MLX packs them (element
-// i of a row in bits [bits * i, bits * (i + 1)) of its uint32 words, little-endian): a block is its
-// 64 bytes in order, a half block (K / 32 odd) padded with zeros.
+// Element i of row n, from q packed as MLX packs it (element i of a row in bits [bits * i,
+// bits * (i + 1)) of its uint32 words, little-endian).
 int element(const uint8_t* q, long at, int bits) {
   return bits == 8 ? q[at] : at % 2 ? q[at / 2] >> 4 : q[at / 2] & 15;
 }
 
-std::vector<uint8_t> pack8(const uint8_t* q, int N, int K) {
-  const int blocks = (K + 63) / 64;
-  std::vector<uint8_t> out(static_cast<size_t>(N) * blocks * 64, 0);
-  for (long n = 0; n < N; ++n)
-    for (int k = 0; k < K; ++k) out[(n * blocks + k / 64) * 64 + k % 64] = static_cast<uint8_t>(element(q, n * K + k, 8));
-  return out;
+// Where weight (n, k)'s word and its group's halves sit in the records (blocks_impl.h): per tile
+// group of 64 weight rows (the last padded with zero rows) and group of 32 k, `bits` words of
+// every lane, then each slab's 16 scales and 16 biases as their float16 bits.
+struct Place {
+  long record, word, half;  // byte offsets: the record, weight (n, k)'s word in it, row n's scale in it
+  int shift;                // the value's bits in its word
+};
+
+Place place(long n, int k, int K, int bits) {
+  const long tg = n / walk::kTileRows, slab = n % walk::kTileRows / walk::kSlab, lane = n % walk::kSlab;
+  const int per_word = 32 / bits;
+  return {(tg * (K / 32) + k / 32) * walk::record_bytes(bits), (k % 32 / per_word) * walk::kLineBytes + (slab * walk::kSlab + lane) * 4,
+          walk::words_bytes(bits) + (slab * 2 * walk::kSlab + lane) * 2, bits * (k % per_word)};
 }
 
-// The 4-bit tiles' records (q4_impl.h): per tile group of 64 weight rows (the last padded with
-// zero rows) and group of 32 k, the 4 x 4 x 16 words of nibbles, then each slab's 16 scales and 16
-// biases as their float16 bits. `value(n, k)` gives a nibble, `half(n, g, which)` a scale (0) or
-// bias (1).
+// The records of an N x K matrix: `value(n, k)` gives an element, `half(n, g, which)` the bits of
+// row n's group g scale (0) or bias (1).
 template <class Value, class Half>
-std::vector<uint8_t> pack4(int N, int K, Value value, Half half) {
-  namespace q4 = q4_impl;
-  const int G = K / 32, groups = (N + q4::kTileRows - 1) / q4::kTileRows;
-  std::vector<uint8_t> out(static_cast<size_t>(groups) * G * q4::kRecordBytes, 0);
-  for (long n = 0; n < N; ++n) {
-    const long tg = n / q4::kTileRows, slab = n % q4::kTileRows / q4::kSlab, lane = n % q4::kSlab;
-    for (int g = 0; g < G; ++g) {
-      uint8_t* record = out.data() + (tg * G + g) * q4::kRecordBytes;
-      for (int k = 32 * g; k < 32 * (g + 1); ++k) {
-        auto* word = reinterpret_cast<uint32_t*>(record + ((k % 32 / 8 * q4::kSlabs + slab) * q4::kSlab + lane) * 4);
-        *word |= static_cast<uint32_t>(value(n, k)) << (4 * (k % 8));
+std::vector<uint8_t> pack(int N, int K, int bits, Value value, Half half) {
+  const long groups = (N + walk::kTileRows - 1) / walk::kTileRows;
+  std::vector<uint8_t> out(static_cast<size_t>(groups) * (K / 32) * walk::record_bytes(bits), 0);
+  for (long n = 0; n < N; ++n)
+    for (int k = 0; k < K; ++k) {
+      const Place at = place(n, k, K, bits);
+      uint8_t* record = out.data() + at.record;
+      *reinterpret_cast<uint32_t*>(record + at.word) |= static_cast<uint32_t>(value(n, k)) << at.shift;
+      if (k % 32 == 0) {
+        auto* halves = reinterpret_cast<uint16_t*>(record + at.half);
+        halves[0] = half(n, k / 32, 0), halves[walk::kSlab] = half(n, k / 32, 1);
       }
-      auto* halves = reinterpret_cast<uint16_t*>(record + q4::kWordsBytes) + slab * 2 * q4::kSlab + lane;
-      halves[0] = half(n, g, 0), halves[q4::kSlab] = half(n, g, 1);
     }
-  }
   return out;
 }
 
-// Element (n, k) and the scale / bias of row n's group g, read back out of pack4's records.
-int record_nibble(const std::vector<uint8_t>& packed, int K, long n, int k) {
-  namespace q4 = q4_impl;
-  const long tg = n / q4::kTileRows, slab = n % q4::kTileRows / q4::kSlab, lane = n % q4::kSlab;
-  const uint8_t* record = packed.data() + (tg * (K / 32) + k / 32) * q4::kRecordBytes;
-  uint32_t word;
-  std::memcpy(&word, record + ((k % 32 / 8 * q4::kSlabs + slab) * q4::kSlab + lane) * 4, 4);
-  return (word >> (4 * (k % 8))) & 15;
+// The bytes a decode row reads of an N x K matrix's records: its slabs' words and halves (a
+// tile group's padding slabs are never loaded).
+int64_t read_bytes(int N, int K, int bits) {
+  return static_cast<int64_t>((N + walk::kSlab - 1) / walk::kSlab) * (K / 32) * (walk::kSlab * 4 * bits + walk::kSlab * 2 * 2);
 }
 
-uint16_t record_half(const std::vector<uint8_t>& packed, int K, long n, int g, int which) {
-  namespace q4 = q4_impl;
-  const long tg = n / q4::kTileRows, slab = n % q4::kTileRows / q4::kSlab, lane = n % q4::kSlab;
+// Element (n, k) and the scale (0) / bias (1) bits of row n's group g, read back out of records.
+int record_value(const std::vector<uint8_t>& packed, int K, int bits, long n, int k) {
+  const Place at = place(n, k, K, bits);
+  uint32_t word;
+  std::memcpy(&word, packed.data() + at.record + at.word, 4);
+  return (word >> at.shift) & ((1u << bits) - 1);
+}
+
+uint16_t record_half(const std::vector<uint8_t>& packed, int K, int bits, long n, int g, int which) {
+  const Place at = place(n, 32 * g, K, bits);
   uint16_t h;
-  std::memcpy(&h, packed.data() + (tg * (K / 32) + g) * q4::kRecordBytes + q4::kWordsBytes +
-                      ((slab * 2 + which) * q4::kSlab + lane) * 2, 2);
+  std::memcpy(&h, packed.data() + at.record + at.half + which * walk::kSlab * 2, 2);
   return h;
 }
 
 // The checkpoint's float16 scale and bias of each group, side by side as their bits (what the
-// tiles stream), then kScalePad halves.
+// records hold).
 std::vector<uint16_t> half_pairs(const mx::array& scales, const mx::array& biases) {
-  std::vector<uint16_t> out(2 * scales.size() + kScalePad, 0);
+  std::vector<uint16_t> out(2 * scales.size(), 0);
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data<mx::float16_t>());
   const auto* b = reinterpret_cast<const uint16_t*>(biases.data<mx::float16_t>());
   for (size_t i = 0; i < scales.size(); ++i) out[2 * i] = s[i], out[2 * i + 1] = b[i];
@@ -102,8 +106,8 @@ float widened(uint16_t bits) {
 }
 
 // Every value of the matrix (float32, or float16 widened) against its blocks' q * s + b, rounded
-// once (what every tile computes from the pairs sb), bit for bit. The repacked copy is the
-// tests' to check (the tiles against the float32 path at every row count), not each load's.
+// once, bit for bit. The repacked copy is the tests' to check (the tiles against the exact
+// product at every row count), not each load's.
 bool rebuilds(const mx::array& m, const uint8_t* q, const std::vector<uint16_t>& sb, int bits) {
   const int N = m.shape(0), K = m.shape(1), G = K / 32;
   for (long n = 0; n < N; ++n)
@@ -116,10 +120,6 @@ bool rebuilds(const mx::array& m, const uint8_t* q, const std::vector<uint16_t>&
       }
     }
   return true;
-}
-// The bytes a decode row reads of an entry's blocks (4 bits: the records, padding rows and all).
-int64_t held_bytes(const Entry& e) {
-  return static_cast<int64_t>(e.packed.size() + (e.sb.empty() ? 0 : (e.sb.size() - kScalePad) * sizeof(uint16_t)));
 }
 }  // namespace
 
@@ -140,14 +140,10 @@ int64_t blocks_register(const mx::array& weight, const mx::array& q, const mx::a
   const auto* elements = reinterpret_cast<const uint8_t*>(q.data<uint32_t>());
   auto sb = half_pairs(scales, biases);
   if (!rebuilds(weight, elements, sb, bits)) return 0;
-  Entry e{weight, {}, {}, K, bits};
-  if (bits == 8) {
-    e.packed = pack8(elements, N, K), e.sb = std::move(sb);
-  } else {
-    e.packed = pack4(N, K, [&](long n, int k) { return element(elements, n * K + k, 4); },
-                     [&](long n, int g, int which) { return sb[(n * (K / 32) + g) * 2 + which]; });
-  }
-  const int64_t bytes = held_bytes(e);
+  Entry e{weight, pack(N, K, bits, [&](long n, int k) { return element(elements, n * K + k, bits); },
+                       [&](long n, int g, int which) { return sb[(n * (K / 32) + g) * 2 + which]; }),
+          K, bits};
+  const int64_t bytes = read_bytes(N, K, bits);
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().insert_or_assign(weight.data<void>(), std::move(e));
   return bytes;
@@ -159,7 +155,7 @@ int64_t blocks_register_rows(const mx::array& rows, const mx::array& weight, con
     return 0;
   mx::eval({rows, weight, ids});
   if (!rows.flags().row_contiguous || !weight.flags().row_contiguous) return 0;
-  const int N = weight.shape(0), K = weight.shape(1), G = K / 32, R = rows.shape(0);
+  const int N = weight.shape(0), K = weight.shape(1), R = rows.shape(0);
   const size_t row_bytes = static_cast<size_t>(K) * rows.itemsize();
   std::lock_guard<std::mutex> lock(registry_mu);
   auto it = registry().find(weight.data<void>());
@@ -169,19 +165,11 @@ int64_t blocks_register_rows(const mx::array& rows, const mx::array& weight, con
   for (int r = 0; r < R; ++r)  // the gathered row must be the registered one's, value for value (what the blocks rebuild)
     if (at[r] < 0 || at[r] >= N || std::memcmp(rows.data<uint8_t>() + r * row_bytes, weight.data<uint8_t>() + at[r] * row_bytes, row_bytes))
       return 0;
-  Entry e{rows, {}, {}, K, whole.bits};
-  if (whole.bits == 4) {
-    e.packed = pack4(R, K, [&](long r, int k) { return record_nibble(whole.packed, K, at[r], k); },
-                     [&](long r, int g, int which) { return record_half(whole.packed, K, at[r], g, which); });
-  } else {
-    const size_t packed_row = whole.packed.size() / N;
-    e.packed.resize(R * packed_row), e.sb.assign(static_cast<size_t>(R) * G * 2 + kScalePad, 0);
-    for (int r = 0; r < R; ++r) {
-      std::memcpy(e.packed.data() + r * packed_row, whole.packed.data() + at[r] * packed_row, packed_row);
-      std::memcpy(e.sb.data() + static_cast<size_t>(r) * G * 2, whole.sb.data() + static_cast<size_t>(at[r]) * G * 2, G * 2 * sizeof(uint16_t));
-    }
-  }
-  const int64_t bytes = held_bytes(e);
+  const int bits = whole.bits;
+  Entry e{rows, pack(R, K, bits, [&](long r, int k) { return record_value(whole.packed, K, bits, at[r], k); },
+                     [&](long r, int g, int which) { return record_half(whole.packed, K, bits, at[r], g, which); }),
+          K, bits};
+  const int64_t bytes = read_bytes(R, K, bits);
   registry().insert_or_assign(rows.data<void>(), std::move(e));
   return bytes;
 }
@@ -189,7 +177,7 @@ int64_t blocks_register_rows(const mx::array& rows, const mx::array& weight, con
 BlockView blocks_lookup(const void* data) {
   std::lock_guard<std::mutex> lock(registry_mu);
   auto it = registry().find(data);
-  return it == registry().end() ? BlockView{} : BlockView{it->second.packed.data(), it->second.sb.data(), it->second.bits};
+  return it == registry().end() ? BlockView{} : BlockView{it->second.packed.data(), it->second.bits};
 }
 
 void blocks_forget(const mx::array& weight) {

@@ -1,19 +1,36 @@
-// The 8-bit blocks' walk, shared by the tiles of each ISA (q8_avx512.cpp, q8_avx2.cpp, each file
-// compiled for its own; they differ only in how a block's weights come out of its bytes, `Ops`;
-// the 4-bit blocks have their own walk and layout, q4_impl.h).
-// Each (token row, weight row) pair sums k in order per vector lane, the float32 kernel's order on
-// that ISA, and reduces the lanes the same way, so a row's bits never depend on the others.
+// The quantized blocks' walk (4 and 8 bits), shared by the AVX-512 and AVX2 tiles
+// (blocks_avx512.cpp, blocks_avx2.cpp, each compiled for its own ISA; they differ only in the
+// vector width, `Ops`).
 //
-// Ops: `Vec` (a vector of floats), `zero()`, `sum(Vec)`, `block<NB, MB, CHUNKS>(x, K, k0, p, sb,
-// acc)` (one 64-weight block, or its first half with CHUNKS = 2, met by MB token rows),
-// `kBlockBytes` (a packed block's size), `kOnePass` (token rows read by 4-row weight tiles in one
-// pass) and `kPassRows` (token rows a pass beyond that).
+// Vector lanes hold weight rows, not k: a lane sums its own row's dot product, so no lane ever
+// needs a horizontal sum, and a group's scale multiplies a whole 32-k partial sum once:
+//   y[n] = sum_g ( scale[n, g] * sum_{k in g} q[n, k] * x[k]  +  bias[n, g] * sum_{k in g} x[k] ).
+// A chunk of 16 weights is one mask and one convert, then one FMA per token row, where the
+// blocks' own value q * scale + bias cost a table (4 bits) or a widen and an FMA (8 bits) before
+// every row's FMA (one core, in cache, the target's 576 x 576 4-bit blocks: 1 / 2 / 4 token rows
+// 0.73 / 1.10 / 1.59 -> 0.48 / 0.73 / 1.34 ns a 16-weight chunk). The sums are not the float32
+// matrix's bit for bit: against the exact product they err ~5e-8 of sum |x w| (MLX's
+// quantized_matmul ~1.5e-7).
+// Values are masked in place, q * 2^(bits j) in lane bits [bits j, bits (j + 1)), and x comes
+// pre-scaled by 2^-(bits j), so the product is q * x exactly (powers of two; x under ~2^-100
+// would lose bits): no shift per weight. Every row runs the same FMAs in the same order whatever
+// the rows, the lanes, the thread split or the ISA beside it, so a row's bits never depend on them.
 //
-// The target's 210 layer matrices against the float16 matrix the blocks replaced (AVX-512,
-// alternating processes, best of 40): 1 / 2 / 4 / 5 / 8 token rows 0.78 / 0.74 / 0.71 / 0.62 /
-// 0.96x the time, 16 / 32 rows 1.05-1.12x / 1.13-1.18x (streaming the float32 matrix itself,
-// 4 bytes a weight: 1.5x at 16-32 rows; 48-row weight blocks dequantized into L2 for the float32
-// tile: 1.45x at 8 rows).
+// Layout (blocks.cpp packs it): tile groups of 64 weight rows, 4 slabs of 16; each 32-k group of
+// a tile group is one record, read as one stream: BITS words x 4 slabs x 16 uint32 lanes (lane
+// l's word w holds, as its value j, the weight (row 16 slab + l, k = (32 / BITS) w + j)), then per
+// slab 16 float16 scales and 16 float16 biases: 1,280 bytes at 4 bits, 2,304 at 8. One stream a
+// thread instead of a stream per weight row and its scales (a standalone copy over the target's
+// 210 layer matrices, two threads, 1 token row: the table tile 2.8-3.1 ms, this tile a stream per
+// slab 2.7-3.2, one stream 2.4-2.6; a plain read of the same bytes 1.6). The engine's width-1
+// plain decode, the old and new 4-bit tiles toggled prompt by prompt in one process: 0.946x the
+// time (24 pairs; forwards alone ~0.9x).
+//
+// Ops: `Vec`, `Words`, `kLanes` (16 or 8), `zero()`, `load(p)` (kLanes uint32 words),
+// `values<BITS, J>(words)` (value J's q * 2^(BITS J) as floats, the top one shifted down by
+// BITS first), `halves(p)` (kLanes float16 widened), `fma`, `broadcast(float)`, `store(p, v)`,
+// `kPassRows` (token rows a tile at most) and `units(rows)` (vectors of weight rows a tile of that
+// many token rows reads).
 #pragma once
 
 // (No standard-library templates here: their out-of-line copies would carry this file's ISA flags
@@ -22,101 +39,150 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "gemv.h"
+#include "reduce_avx2.h"
 
 namespace specbatch {
 namespace blocks_impl {
 
-// Blocks read ahead of the one in hand, in the weights' and the scales' streams (rows ahead at
-// the target's widths; a prefetch never faults), into L2 (kWeightPrefetch, gemv.h). AMD EPYC
-// Zen 4, whole forwards of the embedded target, alternating processes, medians of 7-8: T0 at 64 blocks 8.67 ms (1 row) / 10.30 (2) / 13.76 (4 positions), T1 at 64
-// 8.02 / 9.46 / 12.88, at 256 7.35 / 8.97 / 13.27 (128 7.5, 512 7.3, 1,024 7.5 at 1 row); the
-// 8-bit head alone, 2 threads, 1.9-2.1 -> 1.2-1.6 ms. The AVX2 tiles on the same CPU: 0.96x.
-constexpr int kAhead = 256;
+constexpr int kSlab = 16, kSlabs = 4, kTileRows = kSlab * kSlabs;
+constexpr int kLineBytes = kSlabs * kSlab * 4;  // one word of every lane of a tile group: 256
+constexpr int words_bytes(int bits) { return bits * kLineBytes; }
+constexpr int record_bytes(int bits) { return words_bytes(bits) + kSlabs * kSlab * 2 * 2; }
+constexpr int kAhead = 16;  // records prefetched ahead into L2 (0-32 measured within noise; the stream's own prefetch does most)
 
-// Weight rows a block beyond one pass: the block's nibbles stay in L2 while 8-row slabs of x,
-// in L1, meet its tiles in turn (x re-read from L2 for every tile made 32 rows 1.5x the time;
-// 24- and 96-row blocks measured no better).
-constexpr int kBlockRows = 48;
+// x's pre-scaling by k % 8: the value's place in its word (the top one shifted down first).
+constexpr float kPlace4[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-24f};
+constexpr float kPlace8[8] = {1.0f, 0x1p-8f, 0x1p-16f, 0x1p-16f, 1.0f, 0x1p-8f, 0x1p-16f, 0x1p-16f};
 
-// Blocks whose float16 scale-bias pairs are widened at once into a stack buffer the tiles read
-// (4 converts of 8 halves). Streamed as float16, a 4-bit weight is 0.625 bytes instead of 0.75:
-// AMD EPYC Zen 4, alternating processes, the width-1 forward 7.7-7.9 -> 7.3-7.5 ms, 2 positions
-// 9.2-9.5 -> 8.6-9.5; the engine's plain width 1 +11%.
-constexpr int kSpan = 8;
-
-// The float32 values of 4 * kSpan halves at h (exact: float16 widens without rounding). Static:
-// each ISA's file keeps its own copy (one shared symbol could carry AVX-512 code to AVX2 callers).
-static inline const float* widen(const uint16_t* h, float* out) {
-  for (int j = 0; j < 4 * kSpan; j += 8)
-    _mm256_store_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + j))));
-  return out;
+// Each row's x pre-scaled (xs [M, K]) and its groups' sums (sums [M, K / 32]), in a fixed order
+// (8-lane adds, then reduce_avx2's hsum) on both ISAs. Per thread: the buffer it grows.
+static inline void prepare(const float* x, int M, int K, int bits, float*& xs, float*& sums) {
+  static thread_local float* buffer = nullptr;
+  static thread_local long capacity = 0;
+  const long need = (long)M * K + (long)M * (K / 32);
+  if (need > capacity) {  // kept for the thread's life: the pool's threads reuse it every pass
+    std::free(buffer);
+    buffer = static_cast<float*>(std::malloc(need * sizeof(float)));
+    if (buffer == nullptr) std::abort();
+    capacity = need;
+  }
+  xs = buffer, sums = buffer + (long)M * K;
+  const __m256 place = _mm256_loadu_ps(bits == 4 ? kPlace4 : kPlace8);
+  for (long r = 0; r < M; ++r)
+    for (int g = 0; g < K / 32; ++g) {
+      const float* in = x + r * K + 32 * g;
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(in + 8 * i);
+        _mm256_storeu_ps(xs + r * K + 32 * g + 8 * i, _mm256_mul_ps(v[i], place));
+      }
+      sums[r * (K / 32) + g] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    }
 }
 
-// NB weight rows at once: NB independent accumulator chains per token row (one chain alone
-// waits on each FMA's latency), each still summing its k in order. Whole blocks in the loop,
-// with their chunk count known to the compiler (a runtime count left the weights on the stack:
-// one core, 1 / 4 token rows 0.90 / 0.80x the time).
-template <class Ops, int NB, int MB>
-void tile(const float* x, int K, const BlockView& w, int n, float* y, int N) {
+// Value J of T units' words against MB token rows (xk: x's pre-scaled word).
+template <class Ops, int BITS, int J, int MB, int T>
+__attribute__((always_inline)) inline void step(const typename Ops::Words (&w)[T], const float* xk, int K,
+                                                typename Ops::Vec (&acc)[MB][T]) {
+  typename Ops::Vec q[T];
+  for (int t = 0; t < T; ++t) q[t] = Ops::template values<BITS, J>(w[t]);
+  for (int r = 0; r < MB; ++r) {
+    const typename Ops::Vec xb = Ops::broadcast(xk[(long)r * K + J]);
+    for (int t = 0; t < T; ++t) acc[r][t] = Ops::fma(q[t], xb, acc[r][t]);
+  }
+  if constexpr (J + 1 < 32 / BITS) step<Ops, BITS, J + 1>(w, xk, K, acc);
+}
+
+// T vectors of weight rows (units u0.. of the tile group at `base`) for MB token rows, every group.
+template <class Ops, int BITS, int MB, int T>
+__attribute__((noinline)) void tile(const float* xs, const float* sums, int K, const uint8_t* base, int u0,
+                                    float* y, int ldy, long n_base, long n0, long n1) {
   using Vec = typename Ops::Vec;
-  constexpr int B = Ops::kBlockBytes;
-  const int G = K / 32, blocks = (K + 63) / 64, whole = G / 2;
-  Vec acc[NB][MB];
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MB; ++j) acc[i][j] = Ops::zero();
-  const uint8_t* p[NB];
-  const uint16_t* half[NB];  // each row's float16 scale-bias pairs, 4 halves a block
-  alignas(64) float wide[NB][4 * kSpan];
-  const float* sb[NB];
-  for (int i = 0; i < NB; ++i) p[i] = w.packed + (long)(n + i) * blocks * B, half[i] = w.sb + (long)(n + i) * G * 2;
-  for (int b = 0; b < blocks; ++b) {
-    if (b % kSpan == 0)
-      for (int i = 0; i < NB; ++i) sb[i] = widen(half[i] + 4 * b, wide[i]);
-    for (int i = 0; i < NB; ++i) {  // both streams, a cache line of scales every 8 blocks
-      _mm_prefetch(reinterpret_cast<const char*>(p[i] + kAhead * B), kWeightPrefetch);
-      if (b % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(half[i] + 4 * (b + kAhead)), kWeightPrefetch);
+  constexpr int L = Ops::kLanes, kUnitsPerSlab = kSlab / L, kRecord = record_bytes(BITS), kPerWord = 32 / BITS;
+  const int G = K / 32;
+  Vec tot[MB][T], acc[MB][T];
+  for (int r = 0; r < MB; ++r)
+    for (int t = 0; t < T; ++t) tot[r][t] = Ops::zero();
+  const uint8_t* p = base;
+  for (int g = 0; g < G; ++g, p += kRecord) {
+    for (int i = 0; i < kRecord; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead * kRecord + i), kWeightPrefetch);
+    for (int r = 0; r < MB; ++r)
+      for (int t = 0; t < T; ++t) acc[r][t] = Ops::zero();
+    for (int o = 0; o < BITS; ++o) {
+      typename Ops::Words w[T];
+      for (int t = 0; t < T; ++t) w[t] = Ops::load(p + o * kLineBytes + (u0 + t) * 4 * L);
+      step<Ops, BITS, 0>(w, xs + 32 * g + kPerWord * o, K, acc);
     }
-    if (b < whole) {
-      Ops::template block<NB, MB, 4>(x, K, 64 * b, p, sb, acc);
-    } else {
-      Ops::template block<NB, MB, 2>(x, K, 64 * b, p, sb, acc);  // K / 32 odd: the last half block
+    for (int t = 0; t < T; ++t) {
+      const int u = u0 + t;
+      const uint8_t* sb = p + words_bytes(BITS) + (u / kUnitsPerSlab) * 64 + (u % kUnitsPerSlab) * 2 * L;
+      const Vec scale = Ops::halves(sb), bias = Ops::halves(sb + 32);
+      for (int r = 0; r < MB; ++r) {
+        tot[r][t] = Ops::fma(acc[r][t], scale, tot[r][t]);
+        tot[r][t] = Ops::fma(bias, Ops::broadcast(sums[(long)r * G + g]), tot[r][t]);
+      }
     }
-    for (int i = 0; i < NB; ++i) p[i] += B, sb[i] += 4;
   }
-  for (int i = 0; i < NB; ++i)
-    for (int j = 0; j < MB; ++j) y[(long)j * N + n + i] = Ops::sum(acc[i][j]);
+  for (int t = 0; t < T; ++t) {
+    const long first = n_base + (long)(u0 + t) * L;
+    for (int r = 0; r < MB; ++r) {
+      if (first >= n0 && first + L <= n1) {
+        Ops::store(y + r * (long)ldy + first, tot[r][t]);
+        continue;
+      }
+      alignas(64) float lanes[L];  // a unit at the range's edge: only its rows in [n0, n1)
+      Ops::store(lanes, tot[r][t]);
+      for (int l = 0; l < L; ++l)
+        if (first + l >= n0 && first + l < n1) y[r * (long)ldy + first + l] = lanes[l];
+    }
+  }
 }
 
-// `rows` (1..MB) token rows against the 2-row weight tile at n.
-template <class Ops, int MB = Ops::kPassRows>
-void slab(const float* x, int rows, int K, const BlockView& w, int n, float* y, int N) {
+// MB token rows (1..Ops::kPassRows) against T units (1..Ops::units(MB)), both known at compile time.
+template <class Ops, int BITS, int MB = Ops::kPassRows, int T = Ops::units(1)>
+void dispatch(int rows, int units, const float* xs, const float* sums, int K, const uint8_t* base, int u0, float* y,
+              int ldy, long n_base, long n0, long n1) {
   if constexpr (MB > 1) {
-    if (rows < MB) return slab<Ops, MB - 1>(x, rows, K, w, n, y, N);
+    if (rows < MB) return dispatch<Ops, BITS, MB - 1, T>(rows, units, xs, sums, K, base, u0, y, ldy, n_base, n0, n1);
   }
-  tile<Ops, 2, MB>(x, K, w, n, y, N);
+  if constexpr (T > Ops::units(MB)) {
+    return dispatch<Ops, BITS, MB, T - 1>(rows, units, xs, sums, K, base, u0, y, ldy, n_base, n0, n1);
+  } else if constexpr (T > 1) {
+    if (units < T) return dispatch<Ops, BITS, MB, T - 1>(rows, units, xs, sums, K, base, u0, y, ldy, n_base, n0, n1);
+  }
+  tile<Ops, BITS, MB, T>(xs, sums, K, base, u0, y, ldy, n_base, n0, n1);
 }
 
-// Weight rows [n0, n1) for M token rows: 4-row weight tiles in one pass where M is that small
-// (more accumulator chains a token row), else 2-row tiles met by up to kPassRows token rows a
-// pass, blocked as above; an odd last weight row alone.
-template <class Ops, int MB = Ops::kOnePass>
+// Weight rows [n0, n1) for M token rows (any M: passes of kPassRows rows over a tile group, which
+// stays in L2 between them).
+template <class Ops, int BITS>
 void gemv(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
-  if constexpr (MB > 1) {
-    if (M < MB) return gemv<Ops, MB - 1>(x, M, K, w, n0, n1, y, N);
+  if (M <= 0 || n0 >= n1) return;
+  float *xs, *sums;
+  prepare(x, M, K, BITS, xs, sums);
+  constexpr int kUnitsPerSlab = kSlab / Ops::kLanes;
+  const long record_stride = (long)(K / 32) * record_bytes(BITS);
+  for (int tg = n0 / kTileRows; tg * kTileRows < n1; ++tg) {
+    const long n_base = (long)tg * kTileRows;
+    const int first = n0 > n_base ? (n0 - n_base) / Ops::kLanes : 0;
+    const int last = n1 < n_base + kTileRows ? (n1 - n_base + Ops::kLanes - 1) / Ops::kLanes : kSlabs * kUnitsPerSlab;
+    for (int m = 0; m < M; m += Ops::kPassRows) {
+      const int rows = M - m < Ops::kPassRows ? M - m : Ops::kPassRows, most = Ops::units(rows);
+      for (int u = first; u < last; u += most)
+        dispatch<Ops, BITS>(rows, last - u < most ? last - u : most, xs + (long)m * K, sums + (long)m * (K / 32), K,
+                            w.packed + tg * record_stride, u, y + (long)m * N, N, n_base, n0, n1);
+    }
   }
-  if (M == MB)
-    for (; n0 + 4 <= n1; n0 += 4) tile<Ops, 4, MB>(x, K, w, n0, y, N);
-  const int even = n0 + (n1 - n0) / 2 * 2;
-  for (int b0 = n0; b0 < even; b0 += kBlockRows) {
-    const int b1 = b0 + kBlockRows < even ? b0 + kBlockRows : even;
-    for (int m = 0; m < M; m += Ops::kPassRows)
-      for (int n = b0; n < b1; n += 2)
-        slab<Ops>(x + (long)m * K, M - m < Ops::kPassRows ? M - m : Ops::kPassRows, K, w, n, y + (long)m * N, N);
-  }
-  if (even < n1)
-    for (int m = 0; m < M; ++m) tile<Ops, 1, 1>(x + (long)m * K, K, w, even, y + (long)m * N, N);
+}
+
+// Both widths, chosen by the view's.
+template <class Ops>
+void gemv_blocks(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
+  if (w.bits == 8) return gemv<Ops, 8>(x, M, K, w, n0, n1, y, N);
+  gemv<Ops, 4>(x, M, K, w, n0, n1, y, N);
 }
 
 }  // namespace blocks_impl

@@ -93,12 +93,10 @@ void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) 
   for (const auto& t : targets) N += t.rows;
   const bool wide = detect_isa() == Isa::avx512;
   auto kernel = [wide](const float* x, int M, int K, const Weights& w, int a, int b, float* y, int ldy) {
-    // registered 4-bit blocks at every row count (their sums are their own: wider inputs on the
-    // kernel keep a decode row's bits); 8-bit ones for small M (the stored matrix's sums beyond)
-    if (w.blocks.bits == 4)
-      return wide ? gemv_q4_avx512(x, M, K, w.blocks, a, b, y, ldy) : gemv_q4_avx2(x, M, K, w.blocks, a, b, y, ldy);
-    if (w.blocks.bits == 8 && M <= kMaxRows)
-      return wide ? gemv_q8_avx512(x, M, K, w.blocks, a, b, y, ldy) : gemv_q8_avx2(x, M, K, w.blocks, a, b, y, ldy);
+    // registered blocks at every row count (their sums are their own: wider inputs on the kernel
+    // keep a decode row's bits)
+    if (w.blocks.packed != nullptr)
+      return wide ? gemv_blocks_avx512(x, M, K, w.blocks, a, b, y, ldy) : gemv_blocks_avx2(x, M, K, w.blocks, a, b, y, ldy);
     if (w.half) {
       const auto* h = static_cast<const uint16_t*>(w.data);
       return wide ? gemv_avx512(x, M, K, h, a, b, y, ldy) : gemv_avx2(x, M, K, h, a, b, y, ldy);

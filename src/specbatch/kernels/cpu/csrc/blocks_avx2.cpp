@@ -1,9 +1,9 @@
-// The 4-bit blocks' tile on AVX2 (compiled with -mavx2 -mfma -mf16c; the walk and the layout:
-// q4_impl.h): 8 weight rows a vector, the same FMAs in the same order as the AVX-512 tile, so
+// The quantized blocks' tile on AVX2 (compiled with -mavx2 -mfma -mf16c; the walk and the layout:
+// blocks_impl.h): 8 weight rows a vector, the same FMAs in the same order as the AVX-512 tile, so
 // both give every row the same bits.
 #include <immintrin.h>
 
-#include "q4_impl.h"
+#include "blocks_impl.h"
 
 namespace specbatch {
 namespace {
@@ -17,10 +17,11 @@ struct Avx2 {
 
   static Vec zero() { return _mm256_setzero_ps(); }
   static Words load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  template <int J>
-  static Vec nibbles(Words w) {
-    if constexpr (J == 7) w = _mm256_srli_epi32(w, 4);  // a signed convert: keep the top bit clear
-    return _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15 << (4 * (J == 7 ? 6 : J)))));
+  template <int BITS, int J>
+  static Vec values(Words w) {
+    constexpr bool top = J == 32 / BITS - 1;
+    if constexpr (top) w = _mm256_srli_epi32(w, BITS);  // a signed convert: keep the top bit clear
+    return _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(((1 << BITS) - 1) << (BITS * (top ? J - 1 : J)))));
   }
   static Vec halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
@@ -30,8 +31,8 @@ struct Avx2 {
 
 }  // namespace
 
-void gemv_q4_avx2(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
-  q4_impl::gemv<Avx2>(x, M, K, w, n0, n1, y, N);
+void gemv_blocks_avx2(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
+  blocks_impl::gemv_blocks<Avx2>(x, M, K, w, n0, n1, y, N);
 }
 
 }  // namespace specbatch
