@@ -4,10 +4,9 @@ weights a group, a float16 scale and bias each) holds their float32 values, ``q 
 rounded once (what MLX's ``quantized_matmul`` computes with float32 activations, and llama.cpp's
 Q4_1 and Q8_0), and is read as those blocks: 0.625 (4 bits) or 1.125 (8 bits) bytes a weight
 instead of 4 (the kernel keeps its own copy, repacked). Every weight the kernel rebuilds is the
-matrix's own value (``register`` checks the whole matrix first). 8-bit blocks serve up to 32 token
-rows with the float32 path's sums bit for bit (wider inputs read the matrix itself); 4-bit blocks
-serve any rows with sums of their own (each group's partial sum scaled once: within rounding of
-the float32 path, ~5e-8 of sum |x w| from the exact product), so a model reading them decodes a
+matrix's own value (``register`` checks the whole matrix first). The blocks serve any number of
+token rows with sums of their own (each group's partial sum scaled once: within rounding of the
+float32 path, ~5e-8 of sum |x w| from the exact product), so a model reading them decodes a
 little differently from its float32 matrices, and every row still has the bits it has alone.
 
 Where the kernel reads blocks (the extension on AVX-512, or AVX2 with FMA and F16C),

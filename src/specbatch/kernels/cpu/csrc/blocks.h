@@ -3,10 +3,9 @@
 // Q8_0 at 8) and holds their float32 values, q * scale + bias with one rounding (what MLX's
 // quantized_matmul computes with float32 activations), is read as those blocks: 0.625 (4 bits) or
 // 1.125 (8 bits) bytes a weight instead of 4, each group's scale and bias kept as its float16 bits
-// and widened as the walk streams them. 8 bits: up to kMaxRows token rows, every sum the float32
-// path's bit for bit (blocks_impl.h, q8_*.cpp); 4 bits: any rows, weight rows in vector lanes and
-// each group's partial sum scaled once, within rounding of the float32 path (q4_impl.h, q4_*.cpp).
-// Registration checks every value against the matrix first.
+// and widened as the walk streams them, for any number of token rows: weight rows in vector lanes
+// and each group's partial sum scaled once, within rounding of the float32 path (blocks_impl.h,
+// blocks_*.cpp). Registration checks every value against the matrix first.
 #pragma once
 
 #include <cstdint>
