@@ -12,9 +12,9 @@ namespace specbatch {
 // Where every tile's weight prefetches land: L2, not L1. A line prefetched into L1 holds one of
 // the core's few miss buffers for its whole trip from memory, and the tile's own loads wait
 // behind it. Zen 4 EPYC, alternating processes: the 8-bit head streamed at half the read
-// bandwidth; whole forwards of the target on the float
-// tiles, float16 weights 17.1-17.8 -> 10.7-11.4 ms a step (AVX2 tiles 17.1-17.7 -> 11.2-12.5),
-// float32 25.4-27.3 -> 18.8-21.0, 16 rows 0.88-0.92x.
+// bandwidth with L1 prefetches; whole forwards of the target on the float tiles, float16 weights
+// 17.1-17.8 -> 10.7-11.4 ms a step (AVX2 tiles 17.1-17.7 -> 11.2-12.5), float32 25.4-27.3 ->
+// 18.8-21.0, 16 rows 0.88-0.92x. (Non-temporal prefetches of the blocks: 1.09x the time.)
 constexpr _mm_hint kWeightPrefetch = _MM_HINT_T1;
 
 enum class Isa { none, avx2, avx512 };
