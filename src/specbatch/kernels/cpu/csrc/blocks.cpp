@@ -18,7 +18,6 @@ namespace walk = blocks_impl;
 struct Entry {
   mx::array weight;             // the registry's key: held, so its buffer never moves or frees
   std::vector<uint8_t> packed;  // blocks_impl.h's records (below)
-  int K;
   int bits;
 };
 
@@ -71,7 +70,7 @@ std::vector<uint8_t> pack(int N, int K, int bits, Value value, Half half) {
 // The bytes a decode row reads of an N x K matrix's records: its slabs' words and halves (a
 // tile group's padding slabs are never loaded).
 int64_t read_bytes(int N, int K, int bits) {
-  return static_cast<int64_t>((N + walk::kSlab - 1) / walk::kSlab) * (K / 32) * (walk::kSlab * 4 * bits + walk::kSlab * 2 * 2);
+  return static_cast<int64_t>((N + walk::kSlab - 1) / walk::kSlab) * (K / 32) * (walk::record_bytes(bits) / walk::kSlabs);
 }
 
 // Element (n, k) and the scale (0) / bias (1) bits of row n's group g, read back out of records.
@@ -142,7 +141,7 @@ int64_t blocks_register(const mx::array& weight, const mx::array& q, const mx::a
   if (!rebuilds(weight, elements, sb, bits)) return 0;
   Entry e{weight, pack(N, K, bits, [&](long n, int k) { return element(elements, n * K + k, bits); },
                        [&](long n, int g, int which) { return sb[(n * (K / 32) + g) * 2 + which]; }),
-          K, bits};
+          bits};
   const int64_t bytes = read_bytes(N, K, bits);
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().insert_or_assign(weight.data<void>(), std::move(e));
@@ -168,7 +167,7 @@ int64_t blocks_register_rows(const mx::array& rows, const mx::array& weight, con
   const int bits = whole.bits;
   Entry e{rows, pack(R, K, bits, [&](long r, int k) { return record_value(whole.packed, K, bits, at[r], k); },
                      [&](long r, int g, int which) { return record_half(whole.packed, K, bits, at[r], g, which); }),
-          K, bits};
+          bits};
   const int64_t bytes = read_bytes(R, K, bits);
   registry().insert_or_assign(rows.data<void>(), std::move(e));
   return bytes;

@@ -31,8 +31,9 @@ struct Avx2 {
 
 }  // namespace
 
-void gemv_blocks_avx2(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
-  blocks_impl::gemv_blocks<Avx2>(x, M, K, w, n0, n1, y, N);
+void gemv_blocks_avx2(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N,
+                        bool again) {
+  blocks_impl::gemv_blocks<Avx2>(x, M, K, w, n0, n1, y, N, again);
 }
 
 }  // namespace specbatch

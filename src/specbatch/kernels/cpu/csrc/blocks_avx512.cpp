@@ -33,8 +33,9 @@ struct Avx512 {
 
 }  // namespace
 
-void gemv_blocks_avx512(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
-  blocks_impl::gemv_blocks<Avx512>(x, M, K, w, n0, n1, y, N);
+void gemv_blocks_avx512(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N,
+                        bool again) {
+  blocks_impl::gemv_blocks<Avx512>(x, M, K, w, n0, n1, y, N, again);
 }
 
 }  // namespace specbatch

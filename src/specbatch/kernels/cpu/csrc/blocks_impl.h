@@ -62,11 +62,16 @@ constexpr float kPlace4[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-2
 constexpr float kPlace8[8] = {1.0f, 0x1p-8f, 0x1p-16f, 0x1p-16f, 1.0f, 0x1p-8f, 0x1p-16f, 0x1p-16f};
 
 // Each row's x pre-scaled (xs [M, K]) and its groups' sums (sums [M, K / 32]), in a fixed order
-// (8-lane adds, then reduce_avx2's hsum) on both ISAs. Per thread: the buffer it grows.
-static inline void prepare(const float* x, int M, int K, int bits, float*& xs, float*& sums) {
+// (8-lane adds, then reduce_avx2's hsum) on both ISAs. Per thread: the buffer it grows. `again`:
+// this thread's previous call was for the same x (a pass's next matrix, as q, k and v are), so
+// what it prepared stands where the width and shape match.
+static inline void prepare(const float* x, int M, int K, int bits, bool again, float*& xs, float*& sums) {
   static thread_local float* buffer = nullptr;
   static thread_local long capacity = 0;
+  static thread_local int held[3] = {0, 0, 0};  // the bits, M and K the buffer holds
   const long need = (long)M * K + (long)M * (K / 32);
+  xs = buffer, sums = buffer + (long)M * K;
+  if (again && held[0] == bits && held[1] == M && held[2] == K) return;
   if (need > capacity) {  // kept for the thread's life: the pool's threads reuse it every pass
     std::free(buffer);
     buffer = static_cast<float*>(std::malloc(need * sizeof(float)));
@@ -74,6 +79,7 @@ static inline void prepare(const float* x, int M, int K, int bits, float*& xs, f
     capacity = need;
   }
   xs = buffer, sums = buffer + (long)M * K;
+  held[0] = bits, held[1] = M, held[2] = K;
   const __m256 place = _mm256_loadu_ps(bits == 4 ? kPlace4 : kPlace8);
   for (long r = 0; r < M; ++r)
     for (int g = 0; g < K / 32; ++g) {
@@ -163,10 +169,10 @@ void dispatch(int rows, int units, const float* xs, const float* sums, int K, co
 // Weight rows [n0, n1) for M token rows (any M: passes of kPassRows rows over a tile group, which
 // stays in L2 between them).
 template <class Ops, int BITS>
-void gemv(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
+void gemv(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N, bool again) {
   if (M <= 0 || n0 >= n1) return;
   float *xs, *sums;
-  prepare(x, M, K, BITS, xs, sums);
+  prepare(x, M, K, BITS, again, xs, sums);
   constexpr int kUnitsPerSlab = kSlab / Ops::kLanes;
   const long record_stride = (long)(K / 32) * record_bytes(BITS);
   for (int tg = n0 / kTileRows; tg * kTileRows < n1; ++tg) {
@@ -184,9 +190,9 @@ void gemv(const float* x, int M, int K, const BlockView& w, int n0, int n1, floa
 
 // Both widths, chosen by the view's.
 template <class Ops>
-void gemv_blocks(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N) {
-  if (w.bits == 8) return gemv<Ops, 8>(x, M, K, w, n0, n1, y, N);
-  gemv<Ops, 4>(x, M, K, w, n0, n1, y, N);
+void gemv_blocks(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N, bool again) {
+  if (w.bits == 8) return gemv<Ops, 8>(x, M, K, w, n0, n1, y, N, again);
+  gemv<Ops, 4>(x, M, K, w, n0, n1, y, N, again);
 }
 
 }  // namespace blocks_impl

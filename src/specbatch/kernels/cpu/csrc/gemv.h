@@ -40,8 +40,9 @@ struct BlockView {
 };
 
 // The same y read from 4- or 8-bit blocks (blocks_*.cpp, any M): sums of their own, each group's
-// partial sum scaled once, the same bits on both ISAs.
-void gemv_blocks_avx512(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N);
-void gemv_blocks_avx2(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N);
+// partial sum scaled once, the same bits on both ISAs. `again`: this thread's previous call in
+// the same pass read the same x (its prepared copy then stands).
+void gemv_blocks_avx512(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N, bool again);
+void gemv_blocks_avx2(const float* x, int M, int K, const BlockView& w, int n0, int n1, float* y, int N, bool again);
 
 }  // namespace specbatch

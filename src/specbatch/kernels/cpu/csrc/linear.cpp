@@ -92,11 +92,16 @@ void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) 
   int N = 0;
   for (const auto& t : targets) N += t.rows;
   const bool wide = detect_isa() == Isa::avx512;
-  auto kernel = [wide](const float* x, int M, int K, const Weights& w, int a, int b, float* y, int ldy) {
+  // `again`: this part already read blocks with this x (k and v after q: x prepared once)
+  auto kernel = [wide](const float* x, int M, int K, const Weights& w, int a, int b, float* y, int ldy, bool& again) {
     // registered blocks at every row count (their sums are their own: wider inputs on the kernel
     // keep a decode row's bits)
-    if (w.blocks.packed != nullptr)
-      return wide ? gemv_blocks_avx512(x, M, K, w.blocks, a, b, y, ldy) : gemv_blocks_avx2(x, M, K, w.blocks, a, b, y, ldy);
+    if (w.blocks.packed != nullptr) {
+      const bool before = again;
+      again = true;
+      return wide ? gemv_blocks_avx512(x, M, K, w.blocks, a, b, y, ldy, before)
+                  : gemv_blocks_avx2(x, M, K, w.blocks, a, b, y, ldy, before);
+    }
     if (w.half) {
       const auto* h = static_cast<const uint16_t*>(w.data);
       return wide ? gemv_avx512(x, M, K, h, a, b, y, ldy) : gemv_avx2(x, M, K, h, a, b, y, ldy);
@@ -112,9 +117,10 @@ void gemv_all(const float* x, int M, int K, const std::vector<Target>& targets) 
     if (part >= parts) return;
     const int n0 = std::min(N, part * block), n1 = std::min(N, n0 + block);
     int first = 0;  // the targets' rows [first, first + rows) in the joint numbering
+    bool again = false;
     for (const auto& t : targets) {
       const int a = std::max(n0, first), b = std::min(n1, first + t.rows);
-      if (a < b) kernel(x, M, K, t.w, a - first, b - first, t.y, t.ldy);
+      if (a < b) kernel(x, M, K, t.w, a - first, b - first, t.y, t.ldy, again);
       first += t.rows;
     }
   }, parts);
