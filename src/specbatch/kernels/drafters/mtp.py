@@ -93,6 +93,9 @@ class MTPHead(nn.Module):
         ctx_*: the target's last-layer KV [B, Hkv, T, d] and its validity mask [B, T];
         own_*: lists of the head's keys/values for earlier steps of this round.
         Returns (hidden [B, D], new own key, new own value)."""
+        fast = fused.mtp_step(self, h, emb, positions, ctx_keys, ctx_values, ctx_mask, own_keys, own_values)
+        if fast is not None:  # one op, the context read in place
+            return fast
         attn = self.block.self_attn
         x = self.eh_proj(mx.concatenate([self.enorm(emb), self.hnorm(h)], axis=-1))[:, None]  # [B, 1, D]
         B = x.shape[0]

@@ -22,16 +22,25 @@ struct AttentionArgs {
   int64_t os[3];  // the output's [batch, head, row] strides: [B, Hq, L, D] or merged [B, L, Hq * D]
   float scale;
   bool causal;  // query i sees keys j <= T - L + i
+  // keys j >= split come from a second place, dense (the MTP head's own keys after the
+  // target's): tk, tv + batch * ts[0] + head * ts[1] + (j - split) * D
+  const float* tk = nullptr; const float* tv = nullptr;
+  int64_t ts[2] = {0, 0};
+  int split = 1 << 30;
 };
 
 // Query positions per block: each block reads (and transposes) the keys it sees once for
 // all of them; prefill chunks take larger blocks. A row's result never depends on it.
 inline int query_block(int L) { return L > 64 ? 32 : 8; }
 
-// One head's keys (or values): key j at base + j * stride, or at pool row slots[j].
+// One head's keys (or values): key j at base + j * stride, or at pool row slots[j]; from
+// `split` on, at tail + (j - split) * tail_stride.
 struct KeyRows {
   const float* base; int64_t stride; const int32_t* slots;
-  const float* at(int j) const { return base + (slots ? slots[j] : j) * stride; }
+  const float* tail = nullptr; int64_t tail_stride = 0; int split = 1 << 30;
+  const float* at(int j) const {
+    return j >= split ? tail + (j - split) * tail_stride : base + (slots ? slots[j] : j) * stride;
+  }
 };
 
 // Every task of a call on the pool (the op's task; each layer of the decoder stack).

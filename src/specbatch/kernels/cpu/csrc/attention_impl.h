@@ -179,8 +179,9 @@ struct Scratch {
 void block(const AttentionArgs& a, int b, int hk, int i0, int n, Scratch& w) {
   const int G = a.Hq / a.Hkv, D = a.D, rows = G * n;
   const int32_t* slots = a.slots ? a.slots + b * a.slot_stride : nullptr;
-  const KeyRows k{a.k + b * a.ks[0] + hk * a.ks[1], a.ks[2], slots};
-  const KeyRows v{a.v + b * a.vs[0] + hk * a.vs[1], a.vs[2], slots};
+  const int64_t tail = b * a.ts[0] + hk * a.ts[1];
+  const KeyRows k{a.k + b * a.ks[0] + hk * a.ks[1], a.ks[2], slots, a.tk + tail, D, a.split};
+  const KeyRows v{a.v + b * a.vs[0] + hk * a.vs[1], a.vs[2], slots, a.tv + tail, D, a.split};
   const int shift = a.T - a.L;  // causal: query i sees keys j <= shift + i
   const int seen = a.causal ? shift + i0 + n : a.T;  // keys any row of the block sees
   const int stride = (seen + W - 1) / W * W;

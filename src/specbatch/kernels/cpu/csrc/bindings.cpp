@@ -7,6 +7,7 @@
 #include "gemv.h"
 #include "linear.h"
 #include "mlp_block.h"
+#include "mtp_step.h"
 #include "mlx/version.h"
 #include "noise.h"
 #include "probe.h"
@@ -72,6 +73,23 @@ NB_MODULE(_ext, m) {
         "a decoder stack's decode or verify forward as one op, over a paged cache (buffers: pools, with slots) or "
         "dense KVCache buffers (from column `start`): [the last layer's output, the kept layers', the written "
         "buffers]");
+  m.def("mtp_step", [](const mx::array& h, const mx::array& emb, const mx::array& positions, const mx::array& inv_freq,
+                       const mx::array& ctx_k, const mx::array& ctx_v, int length,
+                       const std::optional<mx::array>& ctx_mask, const std::vector<mx::array>& own_k,
+                       const std::vector<mx::array>& own_v, const std::vector<mx::array>& weights, int heads,
+                       int kv_heads, int dims, bool traditional, float rope_scale, float attn_scale,
+                       const std::vector<float>& eps) {
+          if (eps.size() != 5) throw std::invalid_argument("mtp_step: eps of enorm, hnorm, input, post and final norms");
+          const specbatch::MtpShape shape{{heads, kv_heads, dims, traditional, rope_scale, eps[2]}, attn_scale,
+                                          eps[0], eps[1], eps[3], eps[4]};
+          return specbatch::mtp_step(h, emb, positions, inv_freq, ctx_k, ctx_v, length, ctx_mask, own_k, own_v,
+                                     weights, shape);
+        }, nb::arg("h"), nb::arg("emb"), nb::arg("positions"), nb::arg("inv_freq"), nb::arg("ctx_k"),
+        nb::arg("ctx_v"), nb::arg("length"), nb::arg("ctx_mask").none(), nb::arg("own_k"), nb::arg("own_v"),
+        nb::arg("weights"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"),
+        nb::arg("rope_scale"), nb::arg("attn_scale"), nb::arg("eps"),
+        "the MTP head's draft step as one op over the target's last-layer KV read in place: "
+        "[hidden [B, K], k, v [B, Hkv, 1, D]]");
   m.def("gate_up", &specbatch::gate_up, nb::arg("x"), nb::arg("wg"), nb::arg("wu"),
         "x @ wg.T and x @ wu.T in one op for up to 32 rows");
   m.def("mlp_block", &specbatch::mlp_block, nb::arg("x"), nb::arg("r"), nb::arg("norm"), nb::arg("eps"),
