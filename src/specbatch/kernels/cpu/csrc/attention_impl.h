@@ -151,12 +151,25 @@ void scores(const float* q, int rows, const KeyRows& k, int seen, int D, float* 
 float softmax_row(float* sr, int seen, int stride, int limit, const bool* m, int64_t mstride, float scale) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   float top = neg_inf;
-  for (int j = 0; j < seen; ++j) {
-    const bool keep = j < limit && (!m || m[j * mstride]);
-    sr[j] = keep ? sr[j] * scale : neg_inf;
-    top = sr[j] > top ? sr[j] : top;
+  if (m) {
+    for (int j = 0; j < seen; ++j) {
+      const bool keep = j < limit && m[j * mstride];
+      sr[j] = keep ? sr[j] * scale : neg_inf;
+      top = sr[j] > top ? sr[j] : top;
+    }
+    for (int j = seen; j < stride; ++j) sr[j] = neg_inf;
+  } else {  // no mask array (decode, causal verify and prefill): the same values a vector at a time
+    const int end = limit < seen ? limit : seen;
+    vi lane;
+    for (int l = 0; l < W; ++l) lane[l] = l;
+    vf tops = splat(neg_inf);
+    for (int j = 0; j < stride; j += W) {
+      const vf x = (lane + j) < end ? load(sr + j) * scale : splat(neg_inf);
+      store(sr + j, x);
+      tops = x > tops ? x : tops;
+    }
+    for (int l = 0; l < W; ++l) top = tops[l] > top ? tops[l] : top;  // a max: any order, the same value
   }
-  for (int j = seen; j < stride; ++j) sr[j] = neg_inf;
   vf sum = vf{};
   for (int j = 0; j < stride; j += W) {
     vf x = load(sr + j);
