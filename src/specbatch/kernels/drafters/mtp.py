@@ -94,7 +94,7 @@ class MTPHead(nn.Module):
         own_*: lists of the head's keys/values for earlier steps of this round.
         Returns (hidden [B, D], new own key, new own value)."""
         fast = fused.mtp_step(self, h, emb, positions, ctx_keys, ctx_values, ctx_mask, own_keys, own_values)
-        if fast is not None:  # one op, the context read in place
+        if fast is not None:  # one op, the context read in place (else the ops below)
             return fast
         attn = self.block.self_attn
         x = self.eh_proj(mx.concatenate([self.enorm(emb), self.hnorm(h)], axis=-1))[:, None]  # [B, 1, D]
@@ -117,7 +117,6 @@ class MTPHead(nn.Module):
             x = x + attn.o_proj(out)
             y = x + self.block.mlp(self.block.post_attention_layernorm(x))
         return self.norm(y)[:, 0], k, v
-
 
     def train_forward(self, hidden, emb, ctx_keys, ctx_values):
         """All positions at once, for training: hidden/emb ``[B, N, D]`` at positions
