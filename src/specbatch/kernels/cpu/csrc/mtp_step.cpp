@@ -102,47 +102,29 @@ std::vector<mx::array> mtp_step(const mx::array& h, const mx::array& emb, const 
   return mx::array::make_arrays({h.shape(), kv, kv}, {mx::float32, mx::float32, mx::float32}, op, inputs);
 }
 
-// norm, project, one block over [the context's keys; the head's own], norm (the op's task).
-void MtpStep::run(const std::vector<mx::array>& in, float* hidden, float* kout, float* vout) const {
-  const auto& w = weights_;
-  const int B = in[0].shape(0), K = in[0].shape(1), Hq = shape_.qkv.heads, Hkv = shape_.qkv.kv_heads;
-  const int D = w[kWq].shape(0) / Hq, nq = Hq * D, nk = Hkv * D, own = own_;
-  std::vector<float> copies[4], nc[5], a(static_cast<size_t>(B) * 2 * K), x(static_cast<size_t>(B) * K), y(x.size());
-  std::vector<int> pc;
-  WeightCopy c[8];
-  const float* hp = row_major(in[0], copies[0]);
-  const float* ep = row_major(in[1], copies[1]);
-  const float* enorm = row_major(w[kEnorm], nc[0]);
-  const float* hnorm = row_major(w[kHnorm], nc[1]);
-  for (int b = 0; b < B; ++b) {  // a row = [enorm(emb); hnorm(h)]: the concatenation eh_proj reads
-    norm_rows(ep + b * K, enorm, a.data() + b * 2 * K, 1, K, shape_.eps_emb);
-    norm_rows(hp + b * K, hnorm, a.data() + b * 2 * K + K, 1, K, shape_.eps_hidden);
-  }
-  gemv_all(a.data(), B, 2 * K, {{weights_of(w[kEhProj], c[0]), K, x.data(), K}});
-  std::vector<float> q(static_cast<size_t>(B) * nq), heads(q.size());
-  QkvShape qs = shape_.qkv;
-  QkvRows r{x.data(), B, 1, K, {weights_of(w[kWq], c[1]), weights_of(w[kWk], c[2]), weights_of(w[kWv], c[3])}, nq, nk,
-            row_major(w[kNormIn], nc[2]), {nullptr, nullptr, nullptr}, row_major(in[2], pc), in[2].shape(0) > 1, false,
-            row_major(in[3], copies[2]), qs, {q.data(), kout, vout}};
-  qkv_rows(r);
-  // the tail after the context: the earlier steps' keys, then this step's [B, Hkv, own + 1, D]
-  const int n = own + 1;
-  std::vector<float> tk(static_cast<size_t>(B) * Hkv * n * D), tv(tk.size());
+// The block's attention for B query rows: q [B, Hq, 1, D] over the context's first `length`
+// keys (in place, masked where a mask came), then the tail: the head's earlier keys of the
+// round and this step's (k, v [B, Hkv, 1, D]) -> merged heads [B, 1, Hq * D].
+void MtpStep::attend(const std::vector<mx::array>& in, const float* q, const float* k, const float* v,
+                     float* heads) const {
+  const int B = in[0].shape(0), Hq = shape_.qkv.heads, Hkv = shape_.qkv.kv_heads;
+  const int D = weights_[kWq].shape(0) / Hq, own = own_, n = own + 1;
+  std::vector<float> tk(static_cast<size_t>(B) * Hkv * n * D), tv(tk.size()), copy;
   const size_t first_own = kFixed + (masked_ ? 1 : 0);
-  for (int i = 0; i < n; ++i) {
-    const float* ks = i < own ? in[first_own + i].data<float>() : kout;
-    const float* vs = i < own ? in[first_own + own + i].data<float>() : vout;
-    for (int bh = 0; bh < B * Hkv; ++bh) {
+  for (int i = 0; i < n; ++i) {  // the tail [B, Hkv, own + 1, D]
+    const float* ks = i < own ? row_major(in[first_own + i], copy) : k;
+    for (int bh = 0; bh < B * Hkv; ++bh)
       std::memcpy(tk.data() + (static_cast<size_t>(bh) * n + i) * D, ks + static_cast<size_t>(bh) * D, sizeof(float) * D);
+    const float* vs = i < own ? row_major(in[first_own + own + i], copy) : v;
+    for (int bh = 0; bh < B * Hkv; ++bh)
       std::memcpy(tv.data() + (static_cast<size_t>(bh) * n + i) * D, vs + static_cast<size_t>(bh) * D, sizeof(float) * D);
-    }
   }
   std::vector<float> kc, vc;  // a context whose D is strided (never a cache buffer) read as a copy
   const Context ck = context_of(in[4], kc), cv = context_of(in[5], vc);
   AttentionArgs at{};
   at.B = B, at.Hq = Hq, at.Hkv = Hkv, at.L = 1, at.D = D, at.T = length_ + n, at.scale = shape_.attn_scale;
-  at.q = q.data(), at.qs[0] = nq, at.qs[1] = D, at.qs[2] = D;
-  at.out = heads.data(), at.os[0] = nq, at.os[1] = D, at.os[2] = nq;  // merged heads [B, 1, Hq * D]
+  at.q = q, at.qs[0] = static_cast<int64_t>(Hq) * D, at.qs[1] = D, at.qs[2] = D;
+  at.out = heads, at.os[0] = static_cast<int64_t>(Hq) * D, at.os[1] = D, at.os[2] = static_cast<int64_t>(Hq) * D;
   at.k = ck.data, at.v = cv.data;
   std::copy(ck.strides, ck.strides + 3, at.ks), std::copy(cv.strides, cv.strides + 3, at.vs);
   at.tk = tk.data(), at.tv = tv.data(), at.ts[0] = static_cast<int64_t>(Hkv) * n * D, at.ts[1] = n * D;
@@ -158,6 +140,31 @@ void MtpStep::run(const std::vector<mx::array>& in, float* hidden, float* kout, 
     at.mask = reinterpret_cast<const bool*>(mask.data()), at.ms[0] = at.T, at.ms[1] = 0, at.ms[2] = 1;
   }
   attention_run(at);
+}
+
+// norm, project, one block over [the context's keys; the head's own], norm (the op's task).
+void MtpStep::run(const std::vector<mx::array>& in, float* hidden, float* kout, float* vout) const {
+  const auto& w = weights_;
+  const int B = in[0].shape(0), K = in[0].shape(1), Hq = shape_.qkv.heads, Hkv = shape_.qkv.kv_heads;
+  const int D = w[kWq].shape(0) / Hq, nq = Hq * D, nk = Hkv * D;
+  std::vector<float> copies[3], nc[5], a(static_cast<size_t>(B) * 2 * K), x(static_cast<size_t>(B) * K), y(x.size());
+  std::vector<int> pc;
+  WeightCopy c[8];
+  const float* hp = row_major(in[0], copies[0]);
+  const float* ep = row_major(in[1], copies[1]);
+  const float* enorm = row_major(w[kEnorm], nc[0]);
+  const float* hnorm = row_major(w[kHnorm], nc[1]);
+  for (int b = 0; b < B; ++b) {  // a row = [enorm(emb); hnorm(h)]: the concatenation eh_proj reads
+    norm_rows(ep + b * K, enorm, a.data() + b * 2 * K, 1, K, shape_.eps_emb);
+    norm_rows(hp + b * K, hnorm, a.data() + b * 2 * K + K, 1, K, shape_.eps_hidden);
+  }
+  gemv_all(a.data(), B, 2 * K, {{weights_of(w[kEhProj], c[0]), K, x.data(), K}});
+  std::vector<float> q(static_cast<size_t>(B) * nq), heads(q.size());
+  QkvRows r{x.data(), B, 1, K, {weights_of(w[kWq], c[1]), weights_of(w[kWk], c[2]), weights_of(w[kWv], c[3])}, nq, nk,
+            row_major(w[kNormIn], nc[2]), {nullptr, nullptr, nullptr}, row_major(in[2], pc), in[2].shape(0) > 1, false,
+            row_major(in[3], copies[2]), shape_.qkv, {q.data(), kout, vout}};
+  qkv_rows(r);
+  attend(in, q.data(), kout, vout, heads.data());
   const Weights wo = weights_of(w[kWo], c[4]);
   mlp_rows(x.data(), heads.data(), B, K, w[kWg].shape(0), nq, row_major(w[kNormPost], nc[3]), shape_.eps_post,
            weights_of(w[kWg], c[5]), weights_of(w[kWu], c[6]), weights_of(w[kWd], c[7]), &wo, y.data());

@@ -28,7 +28,7 @@ struct MtpShape {
 enum MtpWeight { kEnorm, kHnorm, kEhProj, kNormIn, kWq, kWk, kWv, kNormPost, kWg, kWu, kWd, kWo, kNormOut, kMtpWeights };
 
 // h, emb [B, K]; positions int32 [B] (the query positions); ctx_k, ctx_v [B or 1, Hkv, C, D]
-// (any strides but D's: a cache buffer read in place), of which the first `length` keys are
+// (any strides: a cache buffer read in place, D strided copied), of which the first `length` keys are
 // attended, masked by ctx_mask bool [B or 1, length] where given; own_k, own_v: the head's
 // keys and values of this round's earlier steps, each [B, Hkv, 1, D] -> {hidden [B, K], k and
 // v [B, Hkv, 1, D] (this step's, k roped)}.
@@ -50,6 +50,7 @@ class MtpStep : public mx::Primitive {
 
  private:
   void run(const std::vector<mx::array>& in, float* hidden, float* k, float* v) const;
+  void attend(const std::vector<mx::array>& in, const float* q, const float* k, const float* v, float* heads) const;
   MtpShape shape_;
   std::vector<mx::array> weights_;  // evaluated constants, as the decoder stack holds its own
   int length_, own_;  // context keys attended; the head's own earlier keys (inputs after the mask)
