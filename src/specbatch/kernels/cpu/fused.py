@@ -198,8 +198,8 @@ def mtp_step(head, h, emb, positions, ctx_keys, ctx_values, ctx_mask, own_keys: 
                mlp["down_proj"], attn["o_proj"])
     weights, rope = _linears(*linears), _rope(attn)
     if (ext is None or weights is None or rope is None or rope[1] is not None or "q_norm" in attn
-            or any("bias" in m for m in linears) or h.dtype != mx.float32 or h.ndim != 2
-            or not 0 < h.shape[0] <= MAX_ROWS or ctx_keys.dtype != mx.float32 or ctx_keys.ndim != 4
+            or any("bias" in m for m in linears) or h.ndim != 2 or not 0 < h.shape[0] <= MAX_ROWS
+            or any(a.dtype != mx.float32 for a in (h, emb, ctx_keys, ctx_values)) or ctx_keys.ndim != 4
             or not all(getattr(type(n), "_sb_norm", False) and n["weight"].dtype == mx.float32 for n in norms)):
         return None
     e_w, h_w, in_w, post_w, out_w = (n["weight"] for n in norms)
