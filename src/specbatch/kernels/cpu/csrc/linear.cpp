@@ -9,6 +9,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
+#include "mlx/transforms.h"
 #include "pool.h"
 #include "strided.h"
 
@@ -54,6 +55,13 @@ Weights weights_of(const mx::array& w, WeightCopy& copy) {
   }
   const uint16_t* data = row_major(w, copy.h);
   return {data, true, data == w.data<uint16_t>() ? blocks_lookup(data) : BlockView{}};
+}
+
+void evaluate_constants(const std::vector<mx::array>& weights) {
+  std::vector<mx::array> pending;
+  for (const auto& w : weights)
+    if (!w.is_available()) pending.push_back(w);
+  if (!pending.empty()) mx::eval(pending);
 }
 
 mx::array small_linear(const mx::array& x, const mx::array& w) {

@@ -31,6 +31,13 @@ struct WeightCopy {
 
 // float32, or float16 where the CPU widens it (F16C): the weight dtypes the kernels take.
 bool weight_dtype_ok(const mx::array& w);
+// A float32 vector [n]; a weight matrix [rows, cols] the kernels take (the fused ops' checks).
+inline bool vector_of(const mx::array& a, int n) { return a.dtype() == mx::float32 && a.ndim() == 1 && a.shape(0) == n; }
+inline bool matrix_of(const mx::array& w, int rows, int cols) {
+  return weight_dtype_ok(w) && w.ndim() == 2 && w.shape(0) == rows && w.shape(1) == cols;
+}
+// Weights an op holds as constants, evaluated once where they are not yet (its first build).
+void evaluate_constants(const std::vector<mx::array>& weights);
 // w's elements: its own buffer where row-contiguous, else a copy in `copy`.
 Weights weights_of(const mx::array& w, WeightCopy& copy);
 

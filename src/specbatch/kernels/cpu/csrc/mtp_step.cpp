@@ -10,7 +10,6 @@
 #include "mlp_block.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/transforms.h"
 #include "norm.h"
 #include "strided.h"
 
@@ -22,10 +21,6 @@ constexpr int kFixed = 6;  // h, emb, positions, inv_freq, ctx_k, ctx_v (then th
 
 void fail(const char* what) { throw std::invalid_argument(std::string("mtp_step: ") + what); }
 
-bool vector_of(const mx::array& a, int n) { return a.dtype() == mx::float32 && a.ndim() == 1 && a.shape(0) == n; }
-bool matrix_of(const mx::array& w, int rows, int cols) {
-  return weight_dtype_ok(w) && w.ndim() == 2 && w.shape(0) == rows && w.shape(1) == cols;
-}
 
 void check_weights(const std::vector<mx::array>& w, const MtpShape& s, int K) {
   if (w.size() != kMtpWeights) fail("13 weights: enorm, hnorm, eh_proj, the block's, the final norm");
@@ -77,7 +72,7 @@ std::vector<mx::array> mtp_step(const mx::array& h, const mx::array& emb, const 
   const int D = weights[kWq].shape(0) / shape.qkv.heads;
   if (positions.dtype() != mx::int32 || positions.ndim() != 1 || (positions.shape(0) != 1 && positions.shape(0) != B))
     fail("positions int32 [1] or [B]");
-  if (shape.qkv.dims <= 0 || shape.qkv.dims % 2 || shape.qkv.dims > D || !vector_of(inv_freq, shape.qkv.dims / 2))
+  if (!rope_fits(shape.qkv, D, inv_freq))
     fail("RoPE dims even, at most D; inv_freq [dims / 2]");
   check_context(ctx_k, B, Hkv, D, length);
   check_context(ctx_v, B, Hkv, D, length);
@@ -88,10 +83,7 @@ std::vector<mx::array> mtp_step(const mx::array& h, const mx::array& emb, const 
   for (const auto* own : {&own_k, &own_v})
     for (const auto& a : *own)
       if (a.dtype() != mx::float32 || a.shape() != mx::Shape{B, Hkv, 1, D}) fail("own keys and values [B, Hkv, 1, D]");
-  std::vector<mx::array> pending;
-  for (const auto& w : weights)
-    if (!w.is_available()) pending.push_back(w);
-  if (!pending.empty()) mx::eval(pending);
+  evaluate_constants(weights);
   std::vector<mx::array> inputs{h, emb, positions, inv_freq, ctx_k, ctx_v};
   if (ctx_mask) inputs.push_back(*ctx_mask);
   inputs.insert(inputs.end(), own_k.begin(), own_k.end());

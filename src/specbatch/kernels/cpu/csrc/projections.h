@@ -30,6 +30,11 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const mx::array& wq, const m
                                 const mx::array& inv_freq, const QkvShape& shape,
                                 const std::vector<mx::array>& norms = {});
 
+// The RoPE a fused op applies to heads of size D: even dims, at most D, inv_freq float32 [dims / 2].
+inline bool rope_fits(const QkvShape& s, int D, const mx::array& inv_freq) {
+  return s.dims > 0 && s.dims % 2 == 0 && s.dims <= D && vector_of(inv_freq, s.dims / 2);
+}
+
 // One qkv_rope on rows in memory (the op's task; each layer of the decoder stack): x [B * L, K]
 // row-major, normed by `norm` first where given; biases: all three or none (bias[0] null);
 // positions and inv_freq as `rope` reads them -> out: q [B, Hq, L, D], k and v [B, Hkv, L, D].

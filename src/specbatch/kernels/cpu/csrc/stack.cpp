@@ -10,7 +10,6 @@
 #include "mlp_block.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/transforms.h"
 #include "paged_write.h"
 #include "strided.h"
 
@@ -24,10 +23,6 @@ constexpr int kFixed = 3;  // h, positions, inv_freq (then the slots where paged
 
 void fail(const char* what) { throw std::invalid_argument(std::string("decoder_stack: ") + what); }
 
-bool vector_of(const mx::array& a, int n) { return a.dtype() == mx::float32 && a.ndim() == 1 && a.shape(0) == n; }
-bool matrix_of(const mx::array& w, int rows, int cols) {
-  return weight_dtype_ok(w) && w.ndim() == 2 && w.shape(0) == rows && w.shape(1) == cols;
-}
 
 // Each layer's arrays against the first layer's shapes (K the model width, D a head's).
 void check_layer(const mx::array* w, const StackShape& s, int K, int D) {
@@ -76,7 +71,7 @@ void check(const mx::array& h, const std::vector<mx::array>& weights, const std:
   for (size_t i = 0; i < layers; ++i) check_layer(weights.data() + i * layer_inputs(s.bias), s, K, D);
   if (positions.dtype() != mx::int32 || positions.ndim() != 1 || (positions.shape(0) != 1 && positions.shape(0) != B))
     fail("positions int32 [1] or [B]");
-  if (s.qkv.dims <= 0 || s.qkv.dims % 2 || s.qkv.dims > D || !vector_of(inv_freq, s.qkv.dims / 2))
+  if (!rope_fits(s.qkv, D, inv_freq))
     fail("RoPE dims even, at most D; inv_freq [dims / 2]");
   const int T = check_kv(kv, B, L, s.qkv.kv_heads, D);
   if (kind == "causal" ? L > T : kind == "array" ? (mask.dtype() != mx::bool_ || mask.ndim() != 4 ||
@@ -98,10 +93,7 @@ std::vector<mx::array> decoder_stack(const mx::array& h, const std::vector<mx::a
   check(h, weights, eps, positions, inv_freq, shape, kv, mask_kind, mask, keep);
   // The weights are constants the op holds, not inputs: each of a many-output op's outputs copies
   // its inputs (~430 a step, 63 outputs), and the graph would walk them every step.
-  std::vector<mx::array> pending;
-  for (const auto& w : weights)
-    if (!w.is_available()) pending.push_back(w);
-  if (!pending.empty()) mx::eval(pending);
+  evaluate_constants(weights);
   auto s = mx::default_stream(mx::Device::cpu);
   const bool masked = mask_kind == "array";
   std::vector<mx::array> inputs{h, positions, inv_freq};
