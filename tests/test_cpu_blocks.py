@@ -261,6 +261,38 @@ def test_a_models_blocks_are_released_with_it(tmp_path):
     assert ext.blocks_count() == before
 
 
+@needs_blocks
+def test_a_stack_reads_the_blocks_registered_at_each_call(tmp_path, monkeypatch):
+    """The decoder stack keeps its weights resolved between calls (blocks included), never past a
+    change to the registry: once a model's blocks are forgotten it reads its float32 matrices."""
+    from mlx_lm.models.cache import KVCache
+
+    from specbatch.kernels.models import load
+    from specbatch.kernels.runner import ModelRunner
+    from specbatch.testing.tiny import build_tiny_model
+    folder = build_tiny_model(tmp_path / "m", "llama", seed=6, quantized=True)
+    calls, op = [], ext.decoder_stack
+    monkeypatch.setattr(ext, "decoder_stack", lambda *a: calls.append(1) or op(*a))
+
+    def last_logits(model):
+        runner, cache = ModelRunner(model), [KVCache() for _ in model.layers]
+        for tokens in ([3, 5, 7, 9], [11], [13]):
+            logits = runner.forward(mx.array([tokens], dtype=mx.int32), cache)
+            mx.eval(logits)
+        return logits
+
+    model, floats = load(folder).model, _unregistered(load(folder).model)
+    try:
+        read_as_blocks = last_logits(model)
+        assert mx.array_equal(last_logits(model), read_as_blocks).item() and calls
+        want = last_logits(floats)
+        assert not mx.array_equal(read_as_blocks, want).item()  # the blocks sum their own way
+        _unregistered(model)
+        assert mx.array_equal(last_logits(model), want).item()
+    finally:
+        del model, floats
+
+
 _BOTH_ISAS = """
 import sys
 import mlx.core as mx

@@ -1,5 +1,6 @@
 #include "blocks.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -22,6 +23,7 @@ struct Entry {
 };
 
 std::mutex registry_mu;
+std::atomic<uint64_t> generation{0};  // bumped by every change to the registry, under registry_mu
 std::unordered_map<const void*, Entry>& registry() {
   static std::unordered_map<const void*, Entry> r;
   return r;
@@ -145,6 +147,7 @@ int64_t blocks_register(const mx::array& weight, const mx::array& q, const mx::a
   const int64_t bytes = read_bytes(N, K, bits);
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().insert_or_assign(weight.data<void>(), std::move(e));
+  generation.fetch_add(1);
   return bytes;
 }
 
@@ -170,6 +173,7 @@ int64_t blocks_register_rows(const mx::array& rows, const mx::array& weight, con
           bits};
   const int64_t bytes = read_bytes(R, K, bits);
   registry().insert_or_assign(rows.data<void>(), std::move(e));
+  generation.fetch_add(1);
   return bytes;
 }
 
@@ -183,12 +187,16 @@ void blocks_forget(const mx::array& weight) {
   if (weight.data_shared_ptr() == nullptr) return;
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().erase(weight.data<void>());
+  generation.fetch_add(1);
 }
 
 void blocks_clear() {
   std::lock_guard<std::mutex> lock(registry_mu);
   registry().clear();
+  generation.fetch_add(1);
 }
+
+uint64_t blocks_generation() { return generation.load(); }
 
 int blocks_count() {
   std::lock_guard<std::mutex> lock(registry_mu);

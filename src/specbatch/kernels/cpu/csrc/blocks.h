@@ -34,5 +34,7 @@ BlockView blocks_lookup(const void* data);
 void blocks_forget(const mx::array& weight);
 void blocks_clear();
 int blocks_count();
+// Changes at every registration and every forget: a view looked up before a change may dangle.
+uint64_t blocks_generation();
 
 }  // namespace specbatch

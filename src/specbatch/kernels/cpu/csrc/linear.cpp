@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <stdexcept>
 
@@ -62,6 +63,54 @@ void evaluate_constants(const std::vector<mx::array>& weights) {
   for (const auto& w : weights)
     if (!w.is_available()) pending.push_back(w);
   if (!pending.empty()) mx::eval(pending);
+}
+
+namespace {
+Constant constant_of(const mx::array& a, WeightCopy& copy) {
+  return {weights_of(a, copy), a.ndim() > 0 ? static_cast<int>(a.shape(0)) : 1};
+}
+}  // namespace
+
+// The last few sets (the stack's and the MTP step's alternate), round robin. An entry holds its
+// arrays, so no reused address can match (a dropped model's weights live until replaced); the
+// cache is never destroyed (exit order).
+std::shared_ptr<const std::vector<Constant>> resolved(const std::vector<mx::array>& held) {
+  struct Entry {
+    std::vector<mx::array> held;
+    uint64_t generation = 0;
+    std::shared_ptr<const std::vector<Constant>> table;
+  };
+  constexpr int kEntries = 4;
+  static std::mutex mu;
+  static auto* cache = new Entry[kEntries];
+  static int next = 0;
+  const uint64_t generation = blocks_generation();
+  const auto same = [](const mx::array& a, const mx::array& b) { return a.id() == b.id(); };
+  std::lock_guard<std::mutex> lock(mu);
+  for (int i = 0; i < kEntries; ++i) {
+    const Entry& e = cache[i];
+    if (e.table && e.generation == generation && std::equal(held.begin(), held.end(), e.held.begin(), e.held.end(), same))
+      return e.table;
+  }
+  auto table = std::make_shared<std::vector<Constant>>();
+  for (const auto& a : held) {
+    WeightCopy copy;
+    table->push_back(constant_of(a, copy));
+    if (!copy.f.empty() || !copy.h.empty()) return nullptr;
+  }
+  cache[next] = Entry{held, generation, table};
+  next = (next + 1) % kEntries;
+  return table;
+}
+
+HeldConstants::HeldConstants(const std::vector<mx::array>& held) : kept_(resolved(held)) {
+  if (kept_) {
+    data_ = kept_->data();
+    return;
+  }
+  copies_.resize(held.size());  // before any pointer into a copy is taken
+  for (size_t i = 0; i < held.size(); ++i) local_.push_back(constant_of(held[i], copies_[i]));
+  data_ = local_.data();
 }
 
 mx::array small_linear(const mx::array& x, const mx::array& w) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "mlx/array.h"
@@ -38,6 +39,29 @@ inline bool matrix_of(const mx::array& w, int rows, int cols) {
 }
 // Weights an op holds as constants, evaluated once where they are not yet (its first build).
 void evaluate_constants(const std::vector<mx::array>& weights);
+// A constant an op holds as the kernels read it (a matrix's registered blocks too), its rows.
+struct Constant {
+  Weights w;
+  int rows;
+};
+// Every constant of `held` resolved once and kept while the same arrays are held and no block set
+// changed: resolving per call read each array's header and the block registry cold (after a
+// step's weight stream) on the computing thread, ~0.1 ms a width-1 step for the decoder stack.
+// Null where one would need a copy (a strided array: the caller resolves per call).
+std::shared_ptr<const std::vector<Constant>> resolved(const std::vector<mx::array>& held);
+// An op's constants for one call: `resolved`'s table, or this call's own where one needs a copy.
+class HeldConstants {
+ public:
+  explicit HeldConstants(const std::vector<mx::array>& held);
+  const Constant* data() const { return data_; }
+  const Constant& operator[](size_t i) const { return data_[i]; }
+
+ private:
+  std::shared_ptr<const std::vector<Constant>> kept_;
+  std::vector<Constant> local_;
+  std::vector<WeightCopy> copies_;
+  const Constant* data_;
+};
 // w's elements: its own buffer where row-contiguous, else a copy in `copy`.
 Weights weights_of(const mx::array& w, WeightCopy& copy);
 

@@ -136,31 +136,28 @@ void MtpStep::attend(const std::vector<mx::array>& in, const float* q, const flo
 
 // norm, project, one block over [the context's keys; the head's own], norm (the op's task).
 void MtpStep::run(const std::vector<mx::array>& in, float* hidden, float* kout, float* vout) const {
-  const auto& w = weights_;
+  const HeldConstants w(weights_);
+  const auto vec = [&](int i) { return static_cast<const float*>(w[i].w.data); };
   const int B = in[0].shape(0), K = in[0].shape(1), Hq = shape_.qkv.heads, Hkv = shape_.qkv.kv_heads;
-  const int D = w[kWq].shape(0) / Hq, nq = Hq * D, nk = Hkv * D;
-  std::vector<float> copies[3], nc[5], a(static_cast<size_t>(B) * 2 * K), x(static_cast<size_t>(B) * K), y(x.size());
+  const int D = w[kWq].rows / Hq, nq = Hq * D, nk = Hkv * D;
+  std::vector<float> copies[3], a(static_cast<size_t>(B) * 2 * K), x(static_cast<size_t>(B) * K), y(x.size());
   std::vector<int> pc;
-  WeightCopy c[8];
   const float* hp = row_major(in[0], copies[0]);
   const float* ep = row_major(in[1], copies[1]);
-  const float* enorm = row_major(w[kEnorm], nc[0]);
-  const float* hnorm = row_major(w[kHnorm], nc[1]);
   for (int b = 0; b < B; ++b) {  // a row = [enorm(emb); hnorm(h)]: the concatenation eh_proj reads
-    norm_rows(ep + b * K, enorm, a.data() + b * 2 * K, 1, K, shape_.eps_emb);
-    norm_rows(hp + b * K, hnorm, a.data() + b * 2 * K + K, 1, K, shape_.eps_hidden);
+    norm_rows(ep + b * K, vec(kEnorm), a.data() + b * 2 * K, 1, K, shape_.eps_emb);
+    norm_rows(hp + b * K, vec(kHnorm), a.data() + b * 2 * K + K, 1, K, shape_.eps_hidden);
   }
-  gemv_all(a.data(), B, 2 * K, {{weights_of(w[kEhProj], c[0]), K, x.data(), K}});
+  gemv_all(a.data(), B, 2 * K, {{w[kEhProj].w, K, x.data(), K}});
   std::vector<float> q(static_cast<size_t>(B) * nq), heads(q.size());
-  QkvRows r{x.data(), B, 1, K, {weights_of(w[kWq], c[1]), weights_of(w[kWk], c[2]), weights_of(w[kWv], c[3])}, nq, nk,
-            row_major(w[kNormIn], nc[2]), {nullptr, nullptr, nullptr}, row_major(in[2], pc), in[2].shape(0) > 1, false,
-            row_major(in[3], copies[2]), shape_.qkv, {q.data(), kout, vout}};
+  QkvRows r{x.data(), B, 1, K, {w[kWq].w, w[kWk].w, w[kWv].w}, nq, nk, vec(kNormIn), {nullptr, nullptr, nullptr},
+            row_major(in[2], pc), in[2].shape(0) > 1, false, row_major(in[3], copies[2]), shape_.qkv,
+            {q.data(), kout, vout}};
   qkv_rows(r);
   attend(in, q.data(), kout, vout, heads.data());
-  const Weights wo = weights_of(w[kWo], c[4]);
-  mlp_rows(x.data(), heads.data(), B, K, w[kWg].shape(0), nq, row_major(w[kNormPost], nc[3]), shape_.eps_post,
-           weights_of(w[kWg], c[5]), weights_of(w[kWu], c[6]), weights_of(w[kWd], c[7]), &wo, y.data());
-  norm_rows(y.data(), row_major(w[kNormOut], nc[4]), hidden, B, K, shape_.eps_out);
+  mlp_rows(x.data(), heads.data(), B, K, w[kWg].rows, nq, vec(kNormPost), shape_.eps_post, w[kWg].w, w[kWu].w,
+           w[kWd].w, &w[kWo].w, y.data());
+  norm_rows(y.data(), vec(kNormOut), hidden, B, K, shape_.eps_out);
 }
 
 void MtpStep::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {

@@ -163,13 +163,33 @@ void attend(const Layout& l, const float* q, const float* kp, const float* vp, i
   attention_run(a);
 }
 
+// A layer's arrays as the walk reads them: its 7 matrices (wq, wk, wv, wg, wu, wd, wo), its
+// norms and biases, and I (wg's rows), from its resolved constants.
+struct LayerView {
+  Weights m[7];
+  const float *norm_in, *norm_post, *bias[3] = {nullptr, nullptr, nullptr};
+  int I;
+};
+
+LayerView layer_view(const Constant* t, bool bias) {
+  const int b = bias ? 3 : 0;
+  const int at[7] = {1, 2, 3, 5 + b, 6 + b, 7 + b, 8 + b};
+  LayerView view;
+  for (int j = 0; j < 7; ++j) view.m[j] = t[at[j]].w;
+  view.norm_in = static_cast<const float*>(t[0].w.data);
+  view.norm_post = static_cast<const float*>(t[4 + b].w.data);
+  for (int j = 0; j < b; ++j) view.bias[j] = static_cast<const float*>(t[4 + j].w.data);
+  view.I = t[5 + b].rows;
+  return view;
+}
+
 }  // namespace
 
 // The layers in turn on the pool (the op's task): ys = {the output, the kept outputs, the pools}.
 void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float*>& ys) const {
   const Layout l = layout_of(in, weights_, shape_, masked_, paged_, start_);
   const int M = l.B * l.L, nq = l.Hq * l.D, nk = l.Hkv * l.D;
-  std::vector<float> hc, ic, bc[3], nc[2];
+  std::vector<float> hc, ic;
   std::vector<int> pc, wc, rc;
   const int* pos = row_major(in[1], pc);
   const float* inv = row_major(in[2], ic);
@@ -179,16 +199,13 @@ void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float
   std::vector<float> buf[2] = {std::vector<float>(static_cast<size_t>(M) * l.K), std::vector<float>(M * l.K)};
   const float* x = row_major(in[0], hc);
   const size_t out_pools = 1 + keep_.size();
+  const HeldConstants t(weights_);
   for (int i = 0; i < l.layers; ++i) {
-    const mx::array* w = weights_.data() + static_cast<size_t>(i) * l.per;
-    const int b = shape_.bias ? 3 : 0;
-    WeightCopy c[7];
+    const LayerView lv = layer_view(t.data() + static_cast<size_t>(i) * l.per, shape_.bias);
     QkvShape qs = shape_.qkv;
     qs.eps = eps_[2 * i];
-    QkvRows r{x, l.B, l.L, l.K, {weights_of(w[1], c[0]), weights_of(w[2], c[1]), weights_of(w[3], c[2])}, nq, nk,
-              row_major(w[0], nc[0]), {nullptr, nullptr, nullptr}, pos, in[1].shape(0) > 1, false, inv, qs,
-              {q.data(), k.data(), v.data()}};
-    for (int j = 0; j < b; ++j) r.bias[j] = row_major(w[4 + j], bc[j]);
+    QkvRows r{x, l.B, l.L, l.K, {lv.m[0], lv.m[1], lv.m[2]}, nq, nk, lv.norm_in, {lv.bias[0], lv.bias[1], lv.bias[2]},
+              pos, in[1].shape(0) > 1, false, inv, qs, {q.data(), k.data(), v.data()}};
     qkv_rows(r);
     float* kp = ys[out_pools + 2 * i];
     float* vp = ys[out_pools + 2 * i + 1];
@@ -204,9 +221,7 @@ void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float
     }
     attend(l, q.data(), kp, vp, P, C, rs, masked_ ? &in[l.mask] : nullptr, shape_, causal_, heads.data());
     float* y = i + 1 == l.layers ? ys[0] : buf[i % 2].data();
-    const Weights wo = weights_of(w[8 + b], c[6]);
-    mlp_rows(x, heads.data(), M, l.K, w[5 + b].shape(0), nq, row_major(w[4 + b], nc[1]), eps_[2 * i + 1],
-             weights_of(w[5 + b], c[3]), weights_of(w[6 + b], c[4]), weights_of(w[7 + b], c[5]), &wo, y);
+    mlp_rows(x, heads.data(), M, l.K, lv.I, nq, lv.norm_post, eps_[2 * i + 1], lv.m[3], lv.m[4], lv.m[5], &lv.m[6], y);
     for (size_t j = 0; j < keep_.size(); ++j)
       if (keep_[j] == i) std::memcpy(ys[1 + j], y, sizeof(float) * M * l.K);
     x = y;
