@@ -304,31 +304,48 @@ def test_a_prefill_chunk_matches_mlx_and_each_row_decoded_alone():
         assert mx.array_equal(alone[:, :, 0], chunk[:, :, i]).item()
 
 
+def _blocked(pool: mx.array) -> mx.array:
+    """A key pool ``[H, P, D]`` as the kernels store it: each 16-slot block as ``[D][16]``."""
+    H, P, D = pool.shape
+    return mx.contiguous(pool.reshape(H, P // 16, 16, D).transpose(0, 1, 3, 2)).reshape(H, P, D)
+
+
 @needs_kernels
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 3), kv=st.integers(1, 3), group=st.integers(1, 3), length=st.integers(1, 12),
-       t=st.integers(12, 70), kind=st.sampled_from(["", "causal", "array"]), seed=st.integers(0, 2**16))
-def test_paged_attention_reads_the_pools_as_the_gathered_view(b, kv, group, length, t, kind, seed):
+       t=st.integers(12, 70), kind=st.sampled_from(["", "causal", "array"]), runs=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_paged_attention_reads_the_pools_as_the_gathered_view(b, kv, group, length, t, kind, runs, seed):
+    """Keys through a row's blocks (a table's whole blocks, read in place) or any slots
+    (gathered), against the same keys gathered into a dense buffer: the same bits."""
     rng = np.random.default_rng(seed)
     d, pool_rows = 64, 160
     k_pool = mx.array(rng.standard_normal((kv, pool_rows, d)), dtype=mx.float32)  # [Hkv, P, D]
     v_pool = mx.array(rng.standard_normal((kv, pool_rows, d)), dtype=mx.float32)
-    slots = mx.array(np.stack([rng.permutation(pool_rows)[:t] for _ in range(b)]), dtype=mx.int32)  # [B, T]
+    if runs:  # a block table's rows: whole 16-slot blocks in any order
+        rows = [np.concatenate([16 * blk + np.arange(16) for blk in rng.permutation(pool_rows // 16)])[:t]
+                for _ in range(b)]
+    else:
+        rows = [rng.permutation(pool_rows)[:t] for _ in range(b)]
+    slots = mx.array(np.stack(rows), dtype=mx.int32)  # [B, T]
     q = mx.array(rng.standard_normal((b, kv * group, length, d)), dtype=mx.float32)
     mask = None if kind == "" else kind
     if kind == "array":
         mask = mx.array(rng.random((b, 1, length, t)) > 0.4)
         mask[..., 0] = True
     gathered = [p[:, slots].transpose(1, 0, 2, 3) for p in (k_pool, v_pool)]  # [Hkv, B, T, D] -> [B, Hkv, T, D]
-    paged = cpu.paged_attention(q, (k_pool, v_pool, slots), 0.125, mask)
+    paged = cpu.paged_attention(q, (_blocked(k_pool), v_pool, slots), 0.125, mask)
     assert mx.array_equal(paged, cpu.attention(q, *gathered, 0.125, mask)).item()  # same keys, same order: same bits
 
 
 @needs_kernels
 def test_paged_attention_with_a_slot_outside_the_pool_gives_nan_not_a_stray_read():
-    pools = mx.zeros((1, 8, 64)), mx.zeros((1, 8, 64))
-    out = cpu.paged_attention(mx.zeros((1, 1, 1, 64)), (*pools, mx.array([[0, 9]], dtype=mx.int32)), 1.0, None)
+    pools = mx.zeros((1, 16, 64)), mx.zeros((1, 16, 64))
+    out = cpu.paged_attention(mx.zeros((1, 1, 1, 64)), (*pools, mx.array([[0, 17]], dtype=mx.int32)), 1.0, None)
     assert mx.isnan(out).all().item()
+    with pytest.raises(ValueError, match="multiple of 16"):  # key pools hold whole 16-slot blocks
+        cpu.paged_attention(mx.zeros((1, 1, 1, 64)), (mx.zeros((1, 8, 64)),) * 2 + (mx.zeros((1, 2), dtype=mx.int32),),
+                            1.0, None)
 
 
 @needs_kernels
@@ -343,9 +360,10 @@ def test_attention_writes_heads_merged_as_the_transpose_would(kind):
     assert merged.shape == (2, 5, 96)
     assert mx.array_equal(merged, split.transpose(0, 2, 1, 3).reshape(2, 5, 96)).item()
     if kind != "additive":
-        pools = [x.transpose(1, 0, 2, 3).reshape(2, 18, 16) for x in (k, v)]  # [Hkv, B * T, D]
+        pools = [mx.pad(x.transpose(1, 0, 2, 3).reshape(2, 18, 16), [(0, 0), (0, 14), (0, 0)])
+                 for x in (k, v)]  # [Hkv, B * T (+ 14), D]
         slots = mx.arange(18, dtype=mx.int32).reshape(2, 9)
-        paged = cpu.paged_attention(q, (*pools, slots), 0.25, mask, merge_heads=True)
+        paged = cpu.paged_attention(q, (_blocked(pools[0]), pools[1], slots), 0.25, mask, merge_heads=True)
         assert mx.array_equal(paged, merged).item()
 
 
@@ -355,13 +373,15 @@ def test_attention_writes_heads_merged_as_the_transpose_would(kind):
        seed=st.integers(0, 2**16))
 def test_paged_write_stores_rows_as_the_scatter_does(b, h, n, d, seed):
     rng = np.random.default_rng(seed)
-    pool_rows = 40
+    pool_rows = 48
     pool = mx.array(rng.standard_normal((h, pool_rows, d)), dtype=mx.float32)  # [H, P, D]
     rows = mx.array(rng.standard_normal((b, h, n, d)), dtype=mx.float32)  # [B, H, N, D]
     slots = mx.array(rng.permutation(pool_rows)[:b * n], dtype=mx.int32)  # [B * N]
     expected = mx.array(pool)
     expected[:, slots] = rows.transpose(1, 0, 2, 3).reshape(h, b * n, d)
     assert mx.array_equal(cpu.paged_write(pool, slots, rows), expected).item()
+    # a key pool's 16-slot blocks: the same rows where its blocked layout puts them
+    assert mx.array_equal(cpu.paged_write(_blocked(pool), slots, rows, blocked=True), _blocked(expected)).item()
 
 
 @needs_kernels

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -181,9 +182,10 @@ def test_engine_with_8bit_kv_serves_a_speculating_batch(tiny, tiny_draft):
     assert stats["spec_rounds"] > 0 and stats["accepted_tokens"] < stats["drafted_tokens"]  # rows rolled back
 
 
-def test_a_float_pool_stores_heads_alike_with_the_kernels_or_without():
-    """Head-major float pools ``[H, P, D]``: the kernel's in-place write and the scatter it falls
-    back to store a forward's heads at the same slots, bit for bit."""
+@pytest.mark.parametrize("blocked", [False, True])
+def test_a_float_pool_stores_heads_alike_with_the_kernels_or_without(blocked):
+    """Head-major float pools ``[H, P, D]`` (keys blocked): the kernel's in-place write and the
+    scatter it falls back to store a forward's heads at the same slots, bit for bit."""
     from specbatch.kernels import cpu
     from specbatch.kernels.kv_pool import Pool
 
@@ -191,7 +193,7 @@ def test_a_float_pool_stores_heads_alike_with_the_kernels_or_without():
     slots = mx.array([9, 2, 30, 31, 16, 17, 18, 0], dtype=mx.int32)  # [B * N]
     pools = []
     for off in (False, True):
-        pool = Pool(3, 8, mx.float32, None)
+        pool = Pool(3, 8, mx.float32, None, blocked=blocked)
         pool.grow(32)
         if off:
             with cpu.disabled():
@@ -201,4 +203,29 @@ def test_a_float_pool_stores_heads_alike_with_the_kernels_or_without():
         pools.append(pool.parts[0])
     assert pools[0].shape == (3, 32, 8)
     assert mx.array_equal(pools[0], pools[1]).item()
-    assert mx.array_equal(pools[0][:, slots[:4]], x[0]).item()  # row 0's tokens, [H, N, D]
+    assert mx.array_equal(pool.read(slots[None, :4], [4])[0], x[0]).item()  # row 0's tokens, [H, N, D]
+    if not blocked:
+        assert mx.array_equal(pools[0][:, slots[:4]], x[0]).item()
+
+
+def test_a_blocked_key_pool_holds_what_a_plain_one_holds():
+    """A key pool's 16-slot blocks ([D][16] each) behind the same writes, reads, moves, growth
+    and compaction as a plain pool: the same tokens at every slot."""
+    from specbatch.kernels.kv_pool import Pool
+
+    plain, blocked = Pool(2, 8, mx.float32, None), Pool(2, 8, mx.float32, None, blocked=True)
+    x = mx.random.normal((40, 16), key=mx.random.key(2))  # [n, H * D]
+    slots = mx.array(np.random.default_rng(0).permutation(48)[:40], dtype=mx.int32)
+    steps = [lambda p: p.grow(48), lambda p: p.write(slots, x),
+             lambda p: p.move(mx.array([3, 40, 7]), mx.array([5, 41, 47])), lambda p: p.grow(64),
+             lambda p: p.write_heads(mx.array([60, 61], dtype=mx.int32), x[:2].reshape(1, 2, 2, 8).transpose(0, 2, 1, 3)),
+             lambda p: p.take(mx.concatenate([mx.arange(48, 64), mx.arange(0, 16)]).astype(mx.int32))]
+    for step in steps:
+        step(plain)
+        step(blocked)
+        every = mx.arange(plain.slots(), dtype=mx.int32)[None]
+        assert mx.array_equal(plain.read(every, [plain.slots()]), blocked.read(every, [plain.slots()])).item()
+        assert mx.array_equal(plain.read(0, [16]), blocked.read(0, [16])).item()
+    assert not mx.array_equal(plain.parts[0], blocked.parts[0]).item()  # a layout of its own
+    with pytest.raises(ValueError, match="whole blocks"):
+        blocked.take(mx.arange(0, 8, dtype=mx.int32))

@@ -7,6 +7,12 @@ of 64): 30 layers of width-1 attention over 1,000 tokens took 8.2 ms against 5.9
 buffers, and a token-major view of a dense buffer took the same 8.4 ms, so the layout was the cost.
 Quantized pools (``kv_bits``) stay token-major, ``[P, F * bits / 32]`` uint32 with scales and biases
 ``[P, F / group]`` (F = H * D): each token is quantized on its own, along its features.
+
+Float key pools are blocked: each head's 16-slot block (a block table's block) stored as ``[D][16]``,
+slot ``s``'s element ``d`` at ``(s // 16) * 16 * D + d * 16 + s % 16`` of the head's row, so the
+attention kernel reads a block's keys with each score in a vector lane and transposes nothing (it
+had transposed every key block it read). The array keeps its ``[H, P, D]`` shape; here every
+read and write goes through those flat places.
 """
 
 from __future__ import annotations
@@ -14,14 +20,15 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import cpu
-from .block_table import group_size
+from .block_table import BLOCK, group_size
 
 
 class Pool:
     """One layer's keys or values over ``slots()`` token slots, float or quantized."""
 
-    def __init__(self, heads: int, dim: int, dtype, bits: int | None):
+    def __init__(self, heads: int, dim: int, dtype, bits: int | None, blocked: bool = False):
         self.heads, self.dim, self.dtype, self.bits = heads, dim, dtype, bits
+        self.blocked = blocked and not bits  # keys: 16-slot blocks of [D][16] (module docstring)
         self.group = group_size(heads * dim) if bits else 0
         self.axis = 0 if bits else 1  # the slot axis of every part
         self.parts: list[mx.array] = []
@@ -47,10 +54,33 @@ class Pool:
         self.parts = [mx.concatenate([p, f], axis=self.axis) for p, f in zip(self.parts, fresh)] if self.parts else fresh
         self._slots, self._bytes = n_slots, sum(p.nbytes for p in self.parts)
 
+    def _places(self, slots: mx.array) -> mx.array:
+        """A blocked pool's flat places of ``slots`` ``[...]`` in a head's row: ``[..., D]``."""
+        slots = slots.astype(mx.int32)[..., None]
+        d = mx.arange(self.dim, dtype=mx.int32)
+        return (slots // BLOCK) * (BLOCK * self.dim) + d * BLOCK + slots % BLOCK
+
+    def _put(self, slots: mx.array, x: mx.array) -> None:
+        """Store heads ``x`` ``[H, n, D]`` at ``slots`` ``[n]`` of a float pool."""
+        p = self.parts[0]
+        if not self.blocked:
+            p[:, slots] = x
+            return
+        flat = p.reshape(self.heads, -1)  # [H, P * D]
+        flat[:, self._places(slots).reshape(-1)] = x.reshape(self.heads, -1)
+        self.parts[0] = flat.reshape(p.shape)
+
+    def _get(self, slots: mx.array) -> mx.array:
+        """A float pool's heads at ``slots`` ``[...]``: ``[H, ..., D]``."""
+        p = self.parts[0]
+        if not self.blocked:
+            return p[:, slots]
+        return p.reshape(self.heads, -1)[:, self._places(slots)]
+
     def write(self, slots: mx.array, x: mx.array) -> None:
         """Store tokens ``x`` ``[n, F]`` at ``slots`` ``[n]``."""
         if not self.bits:
-            self.parts[0][:, slots] = x.reshape(-1, self.heads, self.dim).transpose(1, 0, 2)  # [H, n, D]
+            self._put(slots, x.reshape(-1, self.heads, self.dim).transpose(1, 0, 2))  # [H, n, D]
             return
         for p, v in zip(self.parts, mx.quantize(x, group_size=self.group, bits=self.bits)):
             p[slots] = v
@@ -64,11 +94,11 @@ class Pool:
         if self.bits:
             self.write(slots, x.transpose(0, 2, 1, 3).reshape(B * N, H * D))
             return
-        written = cpu.paged_write(self.parts[0], slots, x)
+        written = cpu.paged_write(self.parts[0], slots, x, self.blocked)
         if written is not None:
             self.parts[0] = written
         else:
-            self.parts[0][:, slots] = x.transpose(1, 0, 2, 3).reshape(H, B * N, D)  # [H, B * N, D]
+            self._put(slots, x.transpose(1, 0, 2, 3).reshape(H, B * N, D))  # [H, B * N, D]
 
     def read(self, index: mx.array | int, lengths: list[int]) -> mx.array:
         """The rows' tokens as ``[B, H, T, D]`` (index: slots ``[B, T]`` or a first slot)."""
@@ -76,25 +106,34 @@ class Pool:
         # contiguous: MLX's CPU attention on a transposed view ran ~12x slower than on a copy
         # (measured [16, 3, 1504, 64]: 70 ms vs 15 ms with the copy)
         if not self.bits:
-            p = self.parts[0]
             if isinstance(index, int):
-                return mx.contiguous(p[None, :, index:index + T])  # [1, H, T, D]
-            return mx.contiguous(p[:, index].transpose(1, 0, 2, 3))  # [H, B, T, D] -> [B, H, T, D]
+                if not self.blocked:
+                    return mx.contiguous(self.parts[0][None, :, index:index + T])  # [1, H, T, D]
+                index = mx.arange(index, index + T, dtype=mx.int32)[None]  # [1, T]
+            return mx.contiguous(self._get(index).transpose(1, 0, 2, 3))  # [H, B, T, D] -> [B, H, T, D]
         got = [p[index:index + T][None] if isinstance(index, int) else p[index] for p in self.parts]  # [B, T, w]
         x = mx.dequantize(*got, group_size=self.group, bits=self.bits)
         return mx.contiguous(x.reshape(*x.shape[:2], self.heads, self.dim).transpose(0, 2, 1, 3))
 
     def move(self, src: mx.array, dst: mx.array) -> None:
         """Copy the tokens at slots ``src`` to ``dst`` (a tree's accepted path, compacted)."""
+        if not self.bits:
+            self._put(dst, self._get(src))
+            return
         for p in self.parts:
-            if self.axis:
-                p[:, dst] = p[:, src]
-            else:
-                p[dst] = p[src]
+            p[dst] = p[src]
 
     def take(self, slots: mx.array) -> None:
-        """Keep only ``slots`` (in that order): compaction after rows leave."""
-        self.parts = [mx.take(p, slots, axis=self.axis) for p in self.parts]
+        """Keep only ``slots`` (in that order; whole blocks where blocked): compaction after
+        rows leave."""
+        if self.blocked:
+            if slots.size % BLOCK:
+                raise ValueError(f"a blocked pool keeps whole blocks of {BLOCK} slots, not {slots.size}")
+            blocks = slots.reshape(-1, BLOCK)[:, 0] // BLOCK  # [n / 16]: a block moves whole
+            p = self.parts[0]
+            self.parts = [p.reshape(self.heads, -1, BLOCK * self.dim)[:, blocks].reshape(self.heads, -1, self.dim)]
+        else:
+            self.parts = [mx.take(p, slots, axis=self.axis) for p in self.parts]
         self._slots, self._bytes = slots.size, sum(p.nbytes for p in self.parts)
 
     @property

@@ -55,7 +55,7 @@ class PagedLayer(RaggedKVCache):
     def pools(self, keys_shape: tuple, values_shape: tuple, dtype) -> None:
         """Create this layer's pools (for tokens shaped ``[., H, ., D]``) and grow them to the table."""
         if self.kpool is None:
-            self.kpool = Pool(keys_shape[1], keys_shape[3], dtype, self.kv_bits)
+            self.kpool = Pool(keys_shape[1], keys_shape[3], dtype, self.kv_bits, blocked=True)
             self.vpool = Pool(values_shape[1], values_shape[3], dtype, self.kv_bits)
         self.kpool.grow(self.table.capacity * BLOCK)
         self.vpool.grow(self.table.capacity * BLOCK)

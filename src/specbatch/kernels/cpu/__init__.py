@@ -187,15 +187,16 @@ def paged_attention(queries: mx.array, view, scale: float, mask, merge_heads: bo
                                merge_heads)
 
 
-def paged_write(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array | None:
-    """The pool ``[P, H * D]`` with ``rows`` ``[B, H, N, D]`` stored at ``slots`` int32
-    ``[B * N]``, as one op writing in place once the caller drops its old pool; None where
-    the kernel does not apply (the caller scatters with MLX's ops: the same bits)."""
+def paged_write(pool: mx.array, slots: mx.array, rows: mx.array, blocked: bool = False) -> mx.array | None:
+    """The pool ``[H, P, D]`` with ``rows`` ``[B, H, N, D]`` stored at ``slots`` int32
+    ``[B * N]`` (``blocked``: a key pool's 16-slot blocks, ``kv_pool``), as one op writing in
+    place once the caller drops its old pool; None where the kernel does not apply (the caller
+    scatters with MLX's ops: the same bits)."""
     ext = _active()
     if (ext is None or rows.ndim != 4 or slots.dtype != mx.int32 or pool.dtype != mx.float32
             or rows.dtype != mx.float32):
         return None
-    return ext.paged_write(pool, slots, rows)
+    return ext.paged_write(pool, slots, rows, blocked)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:

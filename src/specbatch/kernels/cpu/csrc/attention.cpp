@@ -1,4 +1,5 @@
 #include "attention.h"
+#include "paged_write.h"
 
 #include <algorithm>
 #include <cmath>
@@ -59,6 +60,8 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
   if (Hkv == 0 || Hq % Hkv != 0 || D > 256) throw std::invalid_argument("paged_attention: Hq a multiple of Hkv, D <= 256");
   if (slots.dtype() != mx::int32 || slots.ndim() != 2 || slots.shape(0) != q.shape(0))
     throw std::invalid_argument("paged_attention: slots int32 [B, T]");
+  if (k_pool.shape(1) % kBlockSlots)  // the keys in 16-slot blocks (paged_write.h)
+    throw std::invalid_argument("paged_attention: a key pool's slots a multiple of 16");
   if (detect_isa() == Isa::none) throw std::runtime_error("paged_attention: the CPU lacks AVX2/FMA");
   const int T = slots.shape(1);
   if (mask_kind == "causal" && q.shape(2) > T) throw std::invalid_argument("paged_attention: more queries than keys");
@@ -121,7 +124,7 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     const auto& slots = inputs[3];
     a.Hkv = k.shape(0), a.T = slots.shape(1);
     a.ks[0] = a.vs[0] = 0, a.ks[1] = a.vs[1] = static_cast<int64_t>(k.shape(1)) * a.D, a.ks[2] = a.vs[2] = a.D;
-    a.slot_stride = slots.shape(1);
+    a.slot_stride = slots.shape(1), a.blocked = true;
   } else {
     a.Hkv = k.shape(1), a.T = length_ > 0 ? length_ : k.shape(2);
   }

@@ -27,6 +27,7 @@ struct AttentionArgs {
   const float* tk = nullptr; const float* tv = nullptr;
   int64_t ts[2] = {0, 0};
   int split = 1 << 30;
+  bool blocked = false;  // paged keys in 16-slot blocks, [D][16] each (paged_write.h): no transposes
 };
 
 // Query positions per block: each block reads (and transposes) the keys it sees once for
@@ -34,10 +35,12 @@ struct AttentionArgs {
 inline int query_block(int L) { return L > 64 ? 32 : 8; }
 
 // One head's keys (or values): key j at base + j * stride, or at pool row slots[j]; from
-// `split` on, at tail + (j - split) * tail_stride.
+// `split` on, at tail + (j - split) * tail_stride. Blocked (keys before `split`): slot s's
+// element d at base + (s / 16) * 16 * D + d * 16 + s % 16, which at() does not give.
 struct KeyRows {
   const float* base; int64_t stride; const int32_t* slots;
   const float* tail = nullptr; int64_t tail_stride = 0; int split = 1 << 30;
+  bool blocked = false;
   const float* at(int j) const {
     return j >= split ? tail + (j - split) * tail_stride : base + (slots ? slots[j] : j) * stride;
   }

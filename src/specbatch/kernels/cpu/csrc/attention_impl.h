@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "paged_write.h"
 
 namespace specbatch {
 namespace {
@@ -26,6 +27,20 @@ inline void prefetch_rows(const KeyRows& k, int j0, int j1, int D) {
   for (int j = j0; j < j1; ++j) {
     const char* row = reinterpret_cast<const char*>(k.at(j));
     for (int b = 0; b < D * 4; b += 64) __builtin_prefetch(row + b);
+  }
+}
+
+// A blocked pool's slot s: its element d at the result + d * kBlockSlots.
+inline const float* block_key(const KeyRows& k, int32_t s, int D) {
+  return k.base + static_cast<int64_t>(s / kBlockSlots) * kBlockSlots * D + s % kBlockSlots;
+}
+
+// Keys [j0, j1) pulled in ahead of use; a blocked key's D lines (its block's, one a d).
+inline void prefetch_keys(const KeyRows& k, int j0, int j1, int D) {
+  if (!k.blocked) return prefetch_rows(k, j0, j1, D);
+  for (int j = j0; j < j1 && j < k.split; j += W) {
+    const float* at = block_key(k, k.slots[j], D);
+    for (int d = 0; d < D; ++d) __builtin_prefetch(at + d * kBlockSlots);
   }
 }
 
@@ -123,26 +138,56 @@ void transpose_keys(const KeyRows& k, int j0, int n, int D, float* kt) {
 
 // s[r][0..W) = q_r . k_(j0 ..): R query rows in registers, one multiply and one add per d.
 template <int R>
-void dot_rows(const float* q, int D, const float* kt, float* s, int stride) {
+void dot_rows(const float* q, int D, const float* kt, int ks, float* s, int stride) {
   vf acc[R] = {};
   for (int d = 0; d < D; ++d) {
-    const vf kd = load(kt + d * W);
+    const vf kd = load(kt + d * ks);
     for (int r = 0; r < R; ++r) acc[r] += splat(q[r * D + d]) * kd;
   }
   for (int r = 0; r < R; ++r) store(s + static_cast<size_t>(r) * stride, acc[r]);
 }
 
+// Keys j0 .. j0+n-1 as [D][ks]: a blocked pool's block itself where they are its consecutive
+// slots (ks = 16, no copy: a key block of a row's table always is), else transposed or
+// gathered into kt (ks = W). The lanes past n hold other slots' keys there: their scores
+// are past `seen`, which the softmax sets to -inf.
+const float* key_block(const KeyRows& k, int j0, int n, int D, float* kt, int& ks) {
+  ks = W;
+  if (!k.blocked) {
+    transpose_keys(k, j0, n, D, kt);
+    return kt;
+  }
+  if (j0 + n <= k.split) {
+    const int32_t s0 = k.slots[j0];
+    bool run = s0 % kBlockSlots + n <= kBlockSlots;
+    for (int j = 1; run && j < n; ++j) run = k.slots[j0 + j] == s0 + j;
+    if (run) {
+      ks = kBlockSlots;
+      return block_key(k, s0, D);
+    }
+  }
+  for (int j = 0; j < W; ++j) {
+    const bool tail = j0 + j >= k.split;
+    const float* at = j >= n ? nullptr : tail ? k.at(j0 + j) : block_key(k, k.slots[j0 + j], D);
+    const int step = tail ? 1 : kBlockSlots;
+    for (int d = 0; d < D; ++d) kt[d * W + j] = at ? at[d * step] : 0.0f;
+  }
+  return kt;
+}
+
 // Raw scores of `rows` query rows against keys [0, seen): s [rows][stride].
 void scores(const float* q, int rows, const KeyRows& k, int seen, int D, float* s, int stride, float* kt) {
   constexpr int R = W == 16 ? 8 : 4;  // accumulators that fit the registers beside the keys
-  prefetch_rows(k, 0, std::min(seen, kAheadKeys), D);
+  prefetch_keys(k, 0, std::min(seen, kAheadKeys), D);
   for (int j0 = 0; j0 < seen; j0 += W) {
-    prefetch_rows(k, std::min(seen, j0 + kAheadKeys), std::min(seen, j0 + kAheadKeys + W), D);
-    transpose_keys(k, j0, std::min(W, seen - j0), D, kt);
+    prefetch_keys(k, std::min(seen, j0 + kAheadKeys), std::min(seen, j0 + kAheadKeys + W), D);
+    int ks;
+    const float* kb = key_block(k, j0, std::min(W, seen - j0), D, kt, ks);
+    float* sr = s + j0;
     int r = 0;
-    for (; r + R <= rows; r += R) dot_rows<R>(q + r * D, D, kt, s + static_cast<size_t>(r) * stride + j0, stride);
-    for (; r + 2 <= rows; r += 2) dot_rows<2>(q + r * D, D, kt, s + static_cast<size_t>(r) * stride + j0, stride);
-    for (; r < rows; ++r) dot_rows<1>(q + r * D, D, kt, s + static_cast<size_t>(r) * stride + j0, stride);
+    for (; r + R <= rows; r += R) dot_rows<R>(q + r * D, D, kb, ks, sr + static_cast<size_t>(r) * stride, stride);
+    for (; r + 2 <= rows; r += 2) dot_rows<2>(q + r * D, D, kb, ks, sr + static_cast<size_t>(r) * stride, stride);
+    for (; r < rows; ++r) dot_rows<1>(q + r * D, D, kb, ks, sr + static_cast<size_t>(r) * stride, stride);
   }
 }
 
@@ -193,7 +238,7 @@ void block(const AttentionArgs& a, int b, int hk, int i0, int n, Scratch& w) {
   const int G = a.Hq / a.Hkv, D = a.D, rows = G * n;
   const int32_t* slots = a.slots ? a.slots + b * a.slot_stride : nullptr;
   const int64_t tail = b * a.ts[0] + hk * a.ts[1];
-  const KeyRows k{a.k + b * a.ks[0] + hk * a.ks[1], a.ks[2], slots, a.tk + tail, D, a.split};
+  const KeyRows k{a.k + b * a.ks[0] + hk * a.ks[1], a.ks[2], slots, a.tk + tail, D, a.split, a.blocked && slots};
   const KeyRows v{a.v + b * a.vs[0] + hk * a.vs[1], a.vs[2], slots, a.tv + tail, D, a.split};
   const int shift = a.T - a.L;  // causal: query i sees keys j <= shift + i
   const int seen = a.causal ? shift + i0 + n : a.T;  // keys any row of the block sees

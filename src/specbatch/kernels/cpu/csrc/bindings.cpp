@@ -37,7 +37,9 @@ NB_MODULE(_ext, m) {
         nb::arg("slots"), nb::arg("scale"), nb::arg("mask_kind"), nb::arg("mask"), nb::arg("merge_heads") = false,
         "attention over pools [Hkv, P, D] read through slots [B, T] (a paged cache, no gather)");
   m.def("paged_write", &specbatch::paged_write, nb::arg("pool"), nb::arg("slots"), nb::arg("rows"),
-        "the pool [H, P, D] with rows [B, H, N, D] stored at slots [B * N], in place where donated");
+        nb::arg("blocked") = false,
+        "the pool [H, P, D] with rows [B, H, N, D] stored at slots [B * N], in place where donated (blocked: a "
+        "key pool, each 16-slot block [D][16])");
   m.def("paged_write_copies", &specbatch::paged_write_copies, "paged writes so far that copied their pool");
   m.def("add_rms_norm", &specbatch::add_rms_norm, nb::arg("x"), nb::arg("r"), nb::arg("w"), nb::arg("eps"),
         "(x + r, rms_norm(x + r, w, eps)) in one op: a residual add and the norm after it");

@@ -40,11 +40,11 @@ void check_layer(const mx::array* w, const StackShape& s, int K, int D) {
 // The KV buffers against the forward (B rows of L tokens, D a head's size); T: the keys attended.
 int check_kv(const StackKV& kv, int B, int L, int Hkv, int D) {
   for (const auto& p : kv.buffers) {
-    const bool fits = kv.paged() ? p.ndim() == 3 && p.shape(0) == Hkv && p.shape(2) == D
+    const bool fits = kv.paged() ? p.ndim() == 3 && p.shape(0) == Hkv && p.shape(2) == D && p.shape(1) % kBlockSlots == 0
                                  : p.ndim() == 4 && p.shape(0) == B && p.shape(1) == Hkv && p.shape(3) == D &&
                                        kv.start >= 0 && kv.start + L <= p.shape(2);
     if (p.dtype() != mx::float32 || !fits)
-      fail("KV buffers float32: pools [Hkv, P, D], or dense [B, Hkv, C, D] with room for the tokens");
+      fail("KV buffers float32: pools [Hkv, P, D] (P a multiple of 16), or dense [B, Hkv, C, D] with room for the tokens");
   }
   if (!kv.paged()) return kv.start + L;
   const auto& ws = *kv.write_slots;
@@ -146,7 +146,7 @@ void attend(const Layout& l, const float* q, const float* kp, const float* vp, i
   a.q = q, a.qs[0] = static_cast<int64_t>(l.Hq) * l.L * l.D, a.qs[1] = static_cast<int64_t>(l.L) * l.D, a.qs[2] = l.D;
   a.k = kp, a.v = vp;
   if (slots) {
-    a.slots = slots, a.slot_stride = l.T;
+    a.slots = slots, a.slot_stride = l.T, a.blocked = true;
     a.ks[0] = a.vs[0] = 0, a.ks[1] = a.vs[1] = rows * l.D, a.ks[2] = a.vs[2] = l.D;
   } else {
     a.ks[0] = a.vs[0] = static_cast<int64_t>(l.Hkv) * C * l.D, a.ks[1] = a.vs[1] = static_cast<int64_t>(C) * l.D;
@@ -213,8 +213,8 @@ void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float
     const int64_t P = paged_ ? buffer.shape(1) : 0;  // paged: a head's pool slots
     const int C = paged_ ? 0 : buffer.shape(2);  // dense: the buffer's columns
     if (paged_) {
-      paged_rows(k.data(), ws, l.B, l.Hkv, l.L, l.D, P, kp);
-      paged_rows(v.data(), ws, l.B, l.Hkv, l.L, l.D, P, vp);
+      paged_rows(k.data(), ws, l.B, l.Hkv, l.L, l.D, P, kp, true);
+      paged_rows(v.data(), ws, l.B, l.Hkv, l.L, l.D, P, vp, false);
     } else {
       dense_rows(k.data(), l.B, l.Hkv, l.L, l.D, C, start_, kp);
       dense_rows(v.data(), l.B, l.Hkv, l.L, l.D, C, start_, vp);
