@@ -253,12 +253,21 @@ def test_a_models_blocks_are_released_with_it(tmp_path):
 
     from specbatch.kernels.models import load
     from specbatch.testing.tiny import build_tiny_model
+    from mlx_lm.models.cache import KVCache
+
+    from specbatch.kernels.runner import ModelRunner
     before = ext.blocks_count()
     loaded = load(build_tiny_model(tmp_path / "gone", "llama", seed=8, quantized=True))
     assert ext.blocks_count() == before + LAYER_MATRICES + 1
-    del loaded
+    runner, cache = ModelRunner(loaded.model), [KVCache() for _ in loaded.model.layers]
+    for tokens in ([3, 5, 7], [9]):  # the second a decoder stack op, which keeps its weights resolved
+        mx.eval(runner.forward(mx.array([tokens], dtype=mx.int32), cache))
+    weights = sum(v.nbytes for _, v in nn.utils.tree_flatten(loaded.model.parameters()))
+    held = mx.get_active_memory()
+    del loaded, runner, cache
     gc.collect()
     assert ext.blocks_count() == before
+    assert mx.get_active_memory() < held - weights * 9 // 10  # the resolved weights went with their blocks
 
 
 @needs_blocks

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "linear.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
 #include "blocks_impl.h"
@@ -185,15 +186,21 @@ BlockView blocks_lookup(const void* data) {
 
 void blocks_forget(const mx::array& weight) {
   if (weight.data_shared_ptr() == nullptr) return;
-  std::lock_guard<std::mutex> lock(registry_mu);
-  registry().erase(weight.data<void>());
-  generation.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    registry().erase(weight.data<void>());
+    generation.fetch_add(1);
+  }
+  forget_resolved();  // outside registry_mu: resolving takes the two the other way round
 }
 
 void blocks_clear() {
-  std::lock_guard<std::mutex> lock(registry_mu);
-  registry().clear();
-  generation.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    registry().clear();
+    generation.fetch_add(1);
+  }
+  forget_resolved();
 }
 
 uint64_t blocks_generation() { return generation.load(); }

@@ -69,28 +69,31 @@ namespace {
 Constant constant_of(const mx::array& a, WeightCopy& copy) {
   return {weights_of(a, copy), a.ndim() > 0 ? static_cast<int>(a.shape(0)) : 1};
 }
-}  // namespace
 
 // The last few sets (the stack's and the MTP step's alternate), round robin. An entry holds its
-// arrays, so no reused address can match (a dropped model's weights live until replaced); the
-// cache is never destroyed (exit order).
+// arrays, so no reused address can match; a dropped model's weights live until its blocks are
+// forgotten (every entry goes then: forget_resolved) or four newer sets replace it. Never
+// destroyed (exit order).
+struct ResolvedEntry {
+  std::vector<mx::array> held;
+  uint64_t generation = 0;
+  std::shared_ptr<const std::vector<Constant>> table;
+};
+constexpr int kResolvedEntries = 4;
+std::mutex resolved_mu;
+ResolvedEntry* resolved_cache = new ResolvedEntry[kResolvedEntries];
+int resolved_next = 0;
+
+}  // namespace
+
 std::shared_ptr<const std::vector<Constant>> resolved(const std::vector<mx::array>& held) {
-  struct Entry {
-    std::vector<mx::array> held;
-    uint64_t generation = 0;
-    std::shared_ptr<const std::vector<Constant>> table;
-  };
-  constexpr int kEntries = 4;
-  static std::mutex mu;
-  static auto* cache = new Entry[kEntries];
-  static int next = 0;
   const uint64_t generation = blocks_generation();
   const auto same = [](const mx::array& a, const mx::array& b) { return a.id() == b.id(); };
-  std::lock_guard<std::mutex> lock(mu);
-  for (int i = 0; i < kEntries; ++i) {
-    const Entry& e = cache[i];
-    if (e.table && e.generation == generation && std::equal(held.begin(), held.end(), e.held.begin(), e.held.end(), same))
-      return e.table;
+  std::lock_guard<std::mutex> lock(resolved_mu);
+  for (int i = 0; i < kResolvedEntries; ++i) {
+    ResolvedEntry& e = resolved_cache[i];
+    if (e.table && e.generation != generation) e = ResolvedEntry{};  // a block set changed since
+    if (e.table && std::equal(held.begin(), held.end(), e.held.begin(), e.held.end(), same)) return e.table;
   }
   auto table = std::make_shared<std::vector<Constant>>();
   for (const auto& a : held) {
@@ -98,9 +101,14 @@ std::shared_ptr<const std::vector<Constant>> resolved(const std::vector<mx::arra
     table->push_back(constant_of(a, copy));
     if (!copy.f.empty() || !copy.h.empty()) return nullptr;
   }
-  cache[next] = Entry{held, generation, table};
-  next = (next + 1) % kEntries;
+  resolved_cache[resolved_next] = ResolvedEntry{held, generation, table};
+  resolved_next = (resolved_next + 1) % kResolvedEntries;
   return table;
+}
+
+void forget_resolved() {
+  std::lock_guard<std::mutex> lock(resolved_mu);
+  for (int i = 0; i < kResolvedEntries; ++i) resolved_cache[i] = ResolvedEntry{};
 }
 
 HeldConstants::HeldConstants(const std::vector<mx::array>& held) : kept_(resolved(held)) {

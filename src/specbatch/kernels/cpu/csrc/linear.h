@@ -49,6 +49,8 @@ struct Constant {
 // step's weight stream) on the computing thread, ~0.1 ms a width-1 step for the decoder stack.
 // Null where one would need a copy (a strided array: the caller resolves per call).
 std::shared_ptr<const std::vector<Constant>> resolved(const std::vector<mx::array>& held);
+// Drops every kept table and the arrays it holds (a block set was forgotten: its model is going).
+void forget_resolved();
 // An op's constants for one call: `resolved`'s table, or this call's own where one needs a copy.
 class HeldConstants {
  public:
