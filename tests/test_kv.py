@@ -219,7 +219,8 @@ def test_a_blocked_key_pool_holds_what_a_plain_one_holds():
     steps = [lambda p: p.grow(48), lambda p: p.write(slots, x),
              lambda p: p.move(mx.array([3, 40, 7]), mx.array([5, 41, 47])), lambda p: p.grow(64),
              lambda p: p.write_heads(mx.array([60, 61], dtype=mx.int32), x[:2].reshape(1, 2, 2, 8).transpose(0, 2, 1, 3)),
-             lambda p: p.take(mx.concatenate([mx.arange(48, 64), mx.arange(0, 16)]).astype(mx.int32))]
+             lambda p: p.take(mx.concatenate([mx.arange(48, 64), mx.arange(0, 16)]).astype(mx.int32)),
+             lambda p: p.take(mx.array(np.random.default_rng(1).permutation(32), dtype=mx.int32))]
     for step in steps:
         step(plain)
         step(blocked)

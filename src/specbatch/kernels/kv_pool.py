@@ -124,14 +124,14 @@ class Pool:
             p[dst] = p[src]
 
     def take(self, slots: mx.array) -> None:
-        """Keep only ``slots`` (in that order; whole blocks where blocked): compaction after
-        rows leave."""
+        """Keep only ``slots`` (in that order; whole blocks' worth where blocked): compaction
+        after rows leave."""
         if self.blocked:
             if slots.size % BLOCK:
                 raise ValueError(f"a blocked pool keeps whole blocks of {BLOCK} slots, not {slots.size}")
-            blocks = slots.reshape(-1, BLOCK)[:, 0] // BLOCK  # [n / 16]: a block moves whole
-            p = self.parts[0]
-            self.parts = [p.reshape(self.heads, -1, BLOCK * self.dim)[:, blocks].reshape(self.heads, -1, self.dim)]
+            H, D = self.heads, self.dim
+            kept = self._get(slots).reshape(H, -1, BLOCK, D).transpose(0, 1, 3, 2)  # [H, n / 16, D, 16]
+            self.parts = [mx.contiguous(kept).reshape(H, -1, D)]
         else:
             self.parts = [mx.take(p, slots, axis=self.axis) for p in self.parts]
         self._slots, self._bytes = slots.size, sum(p.nbytes for p in self.parts)
