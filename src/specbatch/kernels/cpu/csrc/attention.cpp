@@ -1,5 +1,4 @@
 #include "attention.h"
-#include "paged_write.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +9,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
+#include "paged_write.h"
 #include "pool.h"
 #include "strided.h"
 

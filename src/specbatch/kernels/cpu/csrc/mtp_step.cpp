@@ -26,13 +26,11 @@ void check_weights(const std::vector<mx::array>& w, const MtpShape& s, int K) {
   if (w.size() != kMtpWeights) fail("13 weights: enorm, hnorm, eh_proj, the block's, the final norm");
   const int D = s.qkv.heads > 0 && w[kWq].ndim() == 2 ? w[kWq].shape(0) / s.qkv.heads : 0;
   if (D == 0 || D > 256 || s.qkv.kv_heads <= 0 || s.qkv.heads % s.qkv.kv_heads) fail("Hq a multiple of Hkv, D <= 256");
-  const int nq = s.qkv.heads * D, nk = s.qkv.kv_heads * D, I = w[kWg].ndim() == 2 ? w[kWg].shape(0) : -1;
-  for (int i : {kEnorm, kHnorm, kNormIn, kNormPost, kNormOut})
-    if (!vector_of(w[i], K)) fail("norm weights float32 [K]");
-  if (!matrix_of(w[kEhProj], K, 2 * K) || !matrix_of(w[kWq], nq, K) || !matrix_of(w[kWk], nk, K) ||
-      !matrix_of(w[kWv], nk, K) || !matrix_of(w[kWg], I, K) || !matrix_of(w[kWu], I, K) ||
-      !matrix_of(w[kWd], K, I) || !matrix_of(w[kWo], K, nq))
-    fail("eh_proj [K, 2K], wq [Hq * D, K], wk and wv [Hkv * D, K], wg and wu [I, K], wd [K, I], wo [K, Hq * D]");
+  for (int i : {kEnorm, kHnorm, kNormOut})
+    if (!vector_of(w[i], K)) fail("enorm, hnorm and the final norm float32 [K]");
+  if (!matrix_of(w[kEhProj], K, 2 * K)) fail("eh_proj [K, 2K]");
+  // kNormIn .. kWo are a block's arrays in the decoder stack's order (no biases)
+  if (const char* what = block_mismatch(w.data() + kNormIn, s.qkv, false, K, D)) fail(what);
 }
 
 // The context's keys or values, read in place: [B or 1, Hkv, >= length, D], D contiguous.
@@ -97,10 +95,9 @@ std::vector<mx::array> mtp_step(const mx::array& h, const mx::array& emb, const 
 // The block's attention for B query rows: q [B, Hq, 1, D] over the context's first `length`
 // keys (in place, masked where a mask came), then the tail: the head's earlier keys of the
 // round and this step's (k, v [B, Hkv, 1, D]) -> merged heads [B, 1, Hq * D].
-void MtpStep::attend(const std::vector<mx::array>& in, const float* q, const float* k, const float* v,
+void MtpStep::attend(const std::vector<mx::array>& in, int D, const float* q, const float* k, const float* v,
                      float* heads) const {
-  const int B = in[0].shape(0), Hq = shape_.qkv.heads, Hkv = shape_.qkv.kv_heads;
-  const int D = weights_[kWq].shape(0) / Hq, own = own_, n = own + 1;
+  const int B = in[0].shape(0), Hq = shape_.qkv.heads, Hkv = shape_.qkv.kv_heads, own = own_, n = own + 1;
   std::vector<float> tk(static_cast<size_t>(B) * Hkv * n * D), tv(tk.size()), copy;
   const size_t first_own = kFixed + (masked_ ? 1 : 0);
   for (int i = 0; i < n; ++i) {  // the tail [B, Hkv, own + 1, D]
@@ -154,7 +151,7 @@ void MtpStep::run(const std::vector<mx::array>& in, float* hidden, float* kout, 
             row_major(in[2], pc), in[2].shape(0) > 1, false, row_major(in[3], copies[2]), shape_.qkv,
             {q.data(), kout, vout}};
   qkv_rows(r);
-  attend(in, q.data(), kout, vout, heads.data());
+  attend(in, D, q.data(), kout, vout, heads.data());
   mlp_rows(x.data(), heads.data(), B, K, w[kWg].rows, nq, vec(kNormPost), shape_.eps_post, w[kWg].w, w[kWu].w,
            w[kWd].w, &w[kWo].w, y.data());
   norm_rows(y.data(), vec(kNormOut), hidden, B, K, shape_.eps_out);

@@ -50,7 +50,8 @@ class MtpStep : public mx::Primitive {
 
  private:
   void run(const std::vector<mx::array>& in, float* hidden, float* k, float* v) const;
-  void attend(const std::vector<mx::array>& in, const float* q, const float* k, const float* v, float* heads) const;
+  void attend(const std::vector<mx::array>& in, int D, const float* q, const float* k, const float* v,
+              float* heads) const;
   MtpShape shape_;
   std::vector<mx::array> weights_;  // evaluated constants, as the decoder stack holds its own
   int length_, own_;  // context keys attended; the head's own earlier keys (inputs after the mask)

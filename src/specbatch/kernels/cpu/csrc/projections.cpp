@@ -61,6 +61,19 @@ std::vector<mx::array> qkv_rope(const mx::array& x, const mx::array& wq, const m
                                 std::make_shared<Projections>(s, true, !biases.empty(), shape, !norms.empty()), inputs);
 }
 
+const char* block_mismatch(const mx::array* w, const QkvShape& s, bool bias, int K, int D) {
+  const int nq = s.heads * D, nk = s.kv_heads * D, b = bias ? 3 : 0;
+  const int I = w[5 + b].ndim() == 2 ? w[5 + b].shape(0) : -1;
+  if (!vector_of(w[0], K) || !matrix_of(w[1], nq, K) || !matrix_of(w[2], nk, K) || !matrix_of(w[3], nk, K))
+    return "norm_in [K], wq [Hq * D, K], wk and wv [Hkv * D, K]";
+  if (bias && (!vector_of(w[4], nq) || !vector_of(w[5], nk) || !vector_of(w[6], nk)))
+    return "float32 biases [Hq * D], [Hkv * D], [Hkv * D]";
+  if (!vector_of(w[4 + b], K) || !matrix_of(w[5 + b], I, K) || !matrix_of(w[6 + b], I, K) ||
+      !matrix_of(w[7 + b], K, I) || !matrix_of(w[8 + b], K, nq))
+    return "norm_post [K], wg and wu [I, K], wd [K, I], wo [K, Hq * D]";
+  return nullptr;
+}
+
 void qkv_rows(const QkvRows& r) {
   const int M = r.B * r.L, K = r.K, nq = r.nq, nk = r.nk, N = nq + 2 * nk;
   const float* x = r.x;

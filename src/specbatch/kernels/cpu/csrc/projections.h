@@ -35,6 +35,11 @@ inline bool rope_fits(const QkvShape& s, int D, const mx::array& inv_freq) {
   return s.dims > 0 && s.dims % 2 == 0 && s.dims <= D && vector_of(inv_freq, s.dims / 2);
 }
 
+// A llama block's arrays, norm_in, wq, wk, wv, [bq, bk, bv], norm_post, wg, wu, wd, wo (the
+// decoder stack's layers, the MTP head's block), against K (the model width) and D (a head's
+// size): null where they fit, else what does not (the caller's error names its op).
+const char* block_mismatch(const mx::array* w, const QkvShape& s, bool bias, int K, int D);
+
 // One qkv_rope on rows in memory (the op's task; each layer of the decoder stack): x [B * L, K]
 // row-major, normed by `norm` first where given; biases: all three or none (bias[0] null);
 // positions and inv_freq as `rope` reads them -> out: q [B, Hq, L, D], k and v [B, Hkv, L, D].

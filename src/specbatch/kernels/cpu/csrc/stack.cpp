@@ -24,19 +24,6 @@ constexpr int kFixed = 3;  // h, positions, inv_freq (then the slots where paged
 void fail(const char* what) { throw std::invalid_argument(std::string("decoder_stack: ") + what); }
 
 
-// Each layer's arrays against the first layer's shapes (K the model width, D a head's).
-void check_layer(const mx::array* w, const StackShape& s, int K, int D) {
-  const int nq = s.qkv.heads * D, nk = s.qkv.kv_heads * D, b = s.bias ? 3 : 0;
-  const int I = w[5 + b].ndim() == 2 ? w[5 + b].shape(0) : -1;
-  if (!vector_of(w[0], K) || !matrix_of(w[1], nq, K) || !matrix_of(w[2], nk, K) || !matrix_of(w[3], nk, K))
-    fail("norm_in [K], wq [Hq * D, K], wk and wv [Hkv * D, K]");
-  if (s.bias && (!vector_of(w[4], nq) || !vector_of(w[5], nk) || !vector_of(w[6], nk)))
-    fail("float32 biases [Hq * D], [Hkv * D], [Hkv * D]");
-  if (!vector_of(w[4 + b], K) || !matrix_of(w[5 + b], I, K) || !matrix_of(w[6 + b], I, K) ||
-      !matrix_of(w[7 + b], K, I) || !matrix_of(w[8 + b], K, nq))
-    fail("norm_post [K], wg and wu [I, K], wd [K, I], wo [K, Hq * D]");
-}
-
 // The KV buffers against the forward (B rows of L tokens, D a head's size); T: the keys attended.
 int check_kv(const StackKV& kv, int B, int L, int Hkv, int D) {
   for (const auto& p : kv.buffers) {
@@ -68,7 +55,8 @@ void check(const mx::array& h, const std::vector<mx::array>& weights, const std:
   const int D = s.qkv.heads > 0 && weights[1].ndim() == 2 ? weights[1].shape(0) / s.qkv.heads : 0;
   if (D == 0 || D > 256 || s.qkv.kv_heads <= 0 || s.qkv.heads % s.qkv.kv_heads)
     fail("Hq a multiple of Hkv, D <= 256");
-  for (size_t i = 0; i < layers; ++i) check_layer(weights.data() + i * layer_inputs(s.bias), s, K, D);
+  for (size_t i = 0; i < layers; ++i)
+    if (const char* what = block_mismatch(weights.data() + i * layer_inputs(s.bias), s.qkv, s.bias, K, D)) fail(what);
   if (positions.dtype() != mx::int32 || positions.ndim() != 1 || (positions.shape(0) != 1 && positions.shape(0) != B))
     fail("positions int32 [1] or [B]");
   if (!rope_fits(s.qkv, D, inv_freq))
