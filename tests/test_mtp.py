@@ -10,6 +10,7 @@ from specbatch.runtime.policy import Decision
 from test_properties import run_schedules
 
 from specbatch import SamplingParams
+from specbatch.kernels.drafters.head_context import HeadContext
 from specbatch.kernels.drafters.mtp import MTPDrafter, MTPHead, save_head
 from specbatch.kernels.drafters.mtp_checkpoint import load_head
 from specbatch.kernels.loops.batch import BatchLoop
@@ -105,8 +106,8 @@ def test_training_path_matches_the_drafting_path(tiny, head):
     H, K, V = runner.hidden, cache[-1].keys[..., :8, :], cache[-1].values[..., :8, :]
     out = head.train_forward(H[:, :-1], runner.embed(x[:, 1:]), K[..., :7, :], V[..., :7, :])  # [1, 7, D]
     for n in range(7):
-        step, _, _ = head.step(H[:, n], runner.embed(x[:, n + 1]), mx.array([n + 1]), K[..., :n + 1, :],
-                               V[..., :n + 1, :], mx.ones((1, n + 1), dtype=mx.bool_), [], [])
+        ctx = HeadContext(K[..., :n + 1, :], V[..., :n + 1, :], mx.ones((1, n + 1), dtype=mx.bool_), [n + 1])
+        step, _, _ = head.step(H[:, n], runner.embed(x[:, n + 1]), mx.array([n + 1]), ctx, [], [])
         assert mx.allclose(step, out[:, n], atol=1e-4), n
 
 
@@ -126,8 +127,8 @@ def test_a_swapped_heads_step_is_two_fused_ops_with_the_separate_kernels_bits(ti
     runner.forward(x, cache)
     H, K, V = runner.hidden, cache[-1].keys[..., :6, :], cache[-1].values[..., :6, :]
     own_k, own_v = [K[..., 5:, :]], [V[..., 5:, :]]  # a second draft step: one key of its own already
-    args = (H[:, 4], runner.embed(x[:, 5]), mx.array([5, 5]), K[..., :5, :], V[..., :5, :],
-            mx.ones((2, 5), dtype=mx.bool_), own_k, own_v)
+    args = (H[:, 4], runner.embed(x[:, 5]), mx.array([5, 5]),
+            HeadContext(K[..., :5, :], V[..., :5, :], mx.ones((2, 5), dtype=mx.bool_), [5, 5]), own_k, own_v)
     monkeypatch.setattr(fused, "mtp_step", lambda *a: None)  # the two-op path under the one-op one (test_mtp_step)
     ran = []
     for name in ("qkv_heads", "second_half"):

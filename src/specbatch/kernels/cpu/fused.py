@@ -185,10 +185,11 @@ def block_call(self, x: mx.array, mask=None, cache=None) -> mx.array | None:
     return h + self.mlp(normed)
 
 
-def mtp_step(head, h, emb, positions, ctx_keys, ctx_values, ctx_mask, own_keys: list, own_values: list):
+def mtp_step(head, h, emb, positions, ctx, own_keys: list, own_values: list):
     """The MTP head's draft step (``MTPHead.step``: the norms and ``eh_proj``, its block over
-    the target's last-layer KV ``[B or 1, Hkv, T, D]`` then its own keys, the final norm) as one
-    ``mtp_step`` op, the context read in place; (hidden ``[B, D]``, k, v ``[B, Hkv, 1, D]``), or
+    the target's last-layer KV, then its own keys, the final norm) as one ``mtp_step`` op,
+    the context (``drafters.head_context``: dense ``[B or 1, Hkv, T, D]`` or a paged layer's
+    pools through its slots) read in place; (hidden ``[B, D]``, k, v ``[B, Hkv, 1, D]``), or
     None where it does not apply."""
     ext = _active()
     block = head["block"]
@@ -199,15 +200,16 @@ def mtp_step(head, h, emb, positions, ctx_keys, ctx_values, ctx_mask, own_keys: 
     weights, rope = _linears(*linears), _rope(attn)
     if (ext is None or weights is None or rope is None or rope[1] is not None or "q_norm" in attn
             or any("bias" in m for m in linears) or h.ndim != 2 or not 0 < h.shape[0] <= MAX_ROWS
-            or any(a.dtype != mx.float32 for a in (h, emb, ctx_keys, ctx_values)) or ctx_keys.ndim != 4
+            or any(a.dtype != mx.float32 for a in (h, emb, ctx.keys, ctx.values))
+            or ctx.keys.ndim != (3 if ctx.slots is not None else 4)
             or not all(getattr(type(n), "_sb_norm", False) and n["weight"].dtype == mx.float32 for n in norms)):
         return None
     e_w, h_w, in_w, post_w, out_w = (n["weight"] for n in norms)
     eh, wq, wk, wv, wg, wu, wd, wo = weights
     base = rope[0]
-    hidden, k, v = ext.mtp_step(h, emb, positions.astype(mx.int32), base["_sb_inv_freq"], ctx_keys, ctx_values,
-                                ctx_keys.shape[2], ctx_mask, own_keys, own_values,
+    hidden, k, v = ext.mtp_step(h, emb, positions.astype(mx.int32), base["_sb_inv_freq"], ctx.keys, ctx.values,
+                                ctx.columns, ctx.mask, own_keys, own_values,
                                 [e_w, h_w, eh, in_w, wq, wk, wv, post_w, wg, wu, wd, wo, out_w], attn.n_heads,
                                 attn.n_kv_heads, base.dims, base.traditional, base._sb_scale, attn.scale,
-                                [n.eps for n in norms])
+                                [n.eps for n in norms], ctx.slots)
     return hidden, k, v

@@ -37,8 +37,8 @@ from ..cpu import attention as cpu_attention
 from ..cpu import fused
 from ..cpu import linear as cpu_linear
 from ..cpu.vocab import spread
-from ..kv import RaggedKVCache
 from .base import ANY_WIDTH, Capture, Chooser, DraftTree
+from .head_context import HeadContext, context_of
 
 HEAD_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
              "rope_theta", "rope_scaling", "rope_traditional", "max_position_embeddings")
@@ -87,13 +87,13 @@ class MTPHead(nn.Module):
                              f"({want} features), got {states.shape[-1]}")
         return self.fc(states)
 
-    def step(self, h, emb, positions, ctx_keys, ctx_values, ctx_mask, own_keys, own_values):
+    def step(self, h, emb, positions, ctx: HeadContext, own_keys, own_values):
         """One draft position per row. h, emb: [B, D]; positions: [B] (query positions).
 
-        ctx_*: the target's last-layer KV [B, Hkv, T, d] and its validity mask [B, T];
+        ctx: the target's last-layer KV (dense or paged) and its validity mask;
         own_*: lists of the head's keys/values for earlier steps of this round.
         Returns (hidden [B, D], new own key, new own value)."""
-        fast = fused.mtp_step(self, h, emb, positions, ctx_keys, ctx_values, ctx_mask, own_keys, own_values)
+        fast = fused.mtp_step(self, h, emb, positions, ctx, own_keys, own_values)
         if fast is not None:  # one op, the context read in place (else the ops below)
             return fast
         attn = self.block.self_attn
@@ -108,6 +108,7 @@ class MTPHead(nn.Module):
             q, k = attn.rope(q, offset=positions), attn.rope(k, offset=positions)
         else:
             q, k, v = heads  # [B, H, 1, d]
+        ctx_keys, ctx_values, ctx_mask = ctx.dense(B)
         keys = mx.concatenate([ctx_keys, *own_keys, k], axis=2)
         values = mx.concatenate([ctx_values, *own_values, v], axis=2)
         mask = mx.concatenate([ctx_mask, mx.ones((B, len(own_keys) + 1), dtype=mx.bool_)], axis=1)
@@ -137,17 +138,6 @@ class MTPHead(nn.Module):
         x = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
         x = x + self.block.mlp(self.block.post_attention_layernorm(x))
         return self.norm(x)
-
-
-def context_kv(cache) -> tuple[mx.array, mx.array, mx.array, list[int]]:
-    """The target's last-layer keys/values, validity mask [B, T] and per-row lengths."""
-    if isinstance(cache, RaggedKVCache):
-        top = max(cache.ends)
-        cols = mx.arange(top)[None]
-        mask = (cols >= mx.array(cache.starts)[:, None]) & (cols < mx.array(cache.ends)[:, None])
-        return cache.keys[..., :top, :], cache.values[..., :top, :], mask, cache.lengths()
-    n = cache.offset
-    return cache.keys[..., :n, :], cache.values[..., :n, :], mx.ones((1, n), dtype=mx.bool_), [n]
 
 
 class MTPDrafter:
@@ -180,12 +170,12 @@ class MTPDrafter:
         return 0 if self.hidden is None else self.hidden.shape[0]
 
     def draft(self, prev, pending, k: int, choose: Chooser, context=None):
-        ctx_k, ctx_v, ctx_mask, lengths = context_kv(context[-1])
-        base = mx.array(lengths, dtype=mx.int32)  # [B]: the pending token's position
+        ctx = context_of(context[-1])
+        base = mx.array(ctx.lengths, dtype=mx.int32)  # [B]: the pending token's position
         h, token = self.hidden, pending
         own_k, own_v, tokens, logits = [], [], [], []
         for j in range(k):
-            h, kj, vj = self.head.step(h, self.runner.embed(token), base + j, ctx_k, ctx_v, ctx_mask, own_k, own_v)
+            h, kj, vj = self.head.step(h, self.runner.embed(token), base + j, ctx, own_k, own_v)
             own_k.append(kj)
             own_v.append(vj)
             step_logits = self.logits(h)  # [B, V]
@@ -205,8 +195,7 @@ class MTPDrafter:
         head step, each carrying its parent's output state and seeing its own row's target
         KV and its ancestors' head keys. A dynamic shape keeps only children whose path
         score (product of drafted probabilities) reaches ``shape.min_score``."""
-        ck, cv, cm, lengths = context_kv(context[-1])
-        ctx = (ck, cv, cm, mx.array(lengths, dtype=mx.int32))  # [B, ...]; the pending tokens' positions
+        ctx = context_of(context[-1])
         if shape.dynamic:
             return self._draft_dynamic(pending, shape, choose, ctx)
         B = pending.shape[0]
@@ -222,15 +211,10 @@ class MTPDrafter:
         layout = shape.layout()
         return [DraftTree(tokens[i], layout) for i in range(B)]
 
-    def _expand(self, h, token, owner, d: int, ctx, own_k: list, own_v: list):
+    def _expand(self, h, token, owner, d: int, ctx: HeadContext, own_k: list, own_v: list):
         """One head step for the frontier rows at depth ``d - 1`` (``owner`` [M]: their batch rows)."""
-        ck, cv, cm, base = ctx
-        M = token.shape[0]
-        if ck.shape[0] == 1:  # one row: a broadcast, no copy of its context
-            ck, cv, cm = (mx.broadcast_to(a, (M, *a.shape[1:])) for a in (ck, cv, cm))
-        else:
-            ck, cv, cm = ck[owner], cv[owner], cm[owner]
-        h, kj, vj = self.head.step(h, self.runner.embed(token), base[owner] + d - 1, ck, cv, cm, own_k, own_v)
+        base = mx.array(ctx.lengths, dtype=mx.int32)[owner]  # [M]: the pending tokens' positions
+        h, kj, vj = self.head.step(h, self.runner.embed(token), base + d - 1, ctx.select(owner), own_k, own_v)
         return h, [*own_k, kj], [*own_v, vj]  # h [M, D], kj [M, Hkv, 1, hd]
 
     def _draft_dynamic(self, pending, shape, choose, ctx) -> list[DraftTree]:

@@ -80,17 +80,18 @@ NB_MODULE(_ext, m) {
                        const std::optional<mx::array>& ctx_mask, const std::vector<mx::array>& own_k,
                        const std::vector<mx::array>& own_v, const std::vector<mx::array>& weights, int heads,
                        int kv_heads, int dims, bool traditional, float rope_scale, float attn_scale,
-                       const std::vector<float>& eps) {
+                       const std::vector<float>& eps, const std::optional<mx::array>& ctx_slots) {
           if (eps.size() != 5) throw std::invalid_argument("mtp_step: eps of enorm, hnorm, input, post and final norms");
           const specbatch::MtpShape shape{{heads, kv_heads, dims, traditional, rope_scale, eps[2]}, attn_scale,
                                           eps[0], eps[1], eps[3], eps[4]};
-          return specbatch::mtp_step(h, emb, positions, inv_freq, ctx_k, ctx_v, length, ctx_mask, own_k, own_v,
-                                     weights, shape);
+          return specbatch::mtp_step(h, emb, positions, inv_freq, ctx_k, ctx_v, length, ctx_mask, ctx_slots, own_k,
+                                     own_v, weights, shape);
         }, nb::arg("h"), nb::arg("emb"), nb::arg("positions"), nb::arg("inv_freq"), nb::arg("ctx_k"),
         nb::arg("ctx_v"), nb::arg("length"), nb::arg("ctx_mask").none(), nb::arg("own_k"), nb::arg("own_v"),
         nb::arg("weights"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"),
-        nb::arg("rope_scale"), nb::arg("attn_scale"), nb::arg("eps"),
-        "the MTP head's draft step as one op over the target's last-layer KV read in place: "
+        nb::arg("rope_scale"), nb::arg("attn_scale"), nb::arg("eps"), nb::arg("ctx_slots") = nb::none(),
+        "the MTP head's draft step as one op over the target's last-layer KV read in place (dense "
+        "[B or 1, Hkv, C, D], or a paged layer's pools [Hkv, P, D] through ctx_slots [B or 1, length]): "
         "[hidden [B, K], k, v [B, Hkv, 1, D]]");
   m.def("gate_up", &specbatch::gate_up, nb::arg("x"), nb::arg("wg"), nb::arg("wu"),
         "x @ wg.T and x @ wu.T in one op for up to 32 rows");

@@ -11,13 +11,14 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "norm.h"
+#include "paged_write.h"
 #include "strided.h"
 
 namespace specbatch {
 
 namespace {
 
-constexpr int kFixed = 6;  // h, emb, positions, inv_freq, ctx_k, ctx_v (then the mask where given)
+constexpr int kFixed = 6;  // h, emb, positions, inv_freq, ctx_k, ctx_v (then the slots, the mask where given)
 
 void fail(const char* what) { throw std::invalid_argument(std::string("mtp_step: ") + what); }
 
@@ -40,6 +41,16 @@ void check_context(const mx::array& c, int B, int Hkv, int D, int length) {
     fail("ctx_k, ctx_v float32 [B or 1, Hkv, >= length, D]");
 }
 
+// A paged context: pools [Hkv, P, D] (P a multiple of the key blocks' 16), slots [B or 1, length].
+void check_pools(const mx::array& k, const mx::array& v, const mx::array& slots, int B, int Hkv, int D, int length) {
+  if (k.dtype() != mx::float32 || k.ndim() != 3 || k.shape(0) != Hkv || k.shape(2) != D || k.shape() != v.shape() ||
+      v.dtype() != mx::float32 || k.shape(1) % kBlockSlots)
+    fail("paged ctx_k, ctx_v float32 pools [Hkv, P, D], P a multiple of 16");
+  if (slots.dtype() != mx::int32 || slots.ndim() != 2 || (slots.shape(0) != 1 && slots.shape(0) != B) ||
+      slots.shape(1) != length)
+    fail("ctx_slots int32 [B or 1, length]");
+}
+
 // A context's keys or values as the attention reads them: [batch, head, key] strides in floats.
 struct Context {
   const float* data;
@@ -58,9 +69,9 @@ Context context_of(const mx::array& c, std::vector<float>& copy) {
 
 std::vector<mx::array> mtp_step(const mx::array& h, const mx::array& emb, const mx::array& positions,
                                 const mx::array& inv_freq, const mx::array& ctx_k, const mx::array& ctx_v, int length,
-                                const std::optional<mx::array>& ctx_mask, const std::vector<mx::array>& own_k,
-                                const std::vector<mx::array>& own_v, const std::vector<mx::array>& weights,
-                                const MtpShape& shape) {
+                                const std::optional<mx::array>& ctx_mask, const std::optional<mx::array>& ctx_slots,
+                                const std::vector<mx::array>& own_k, const std::vector<mx::array>& own_v,
+                                const std::vector<mx::array>& weights, const MtpShape& shape) {
   if (h.dtype() != mx::float32 || h.ndim() != 2 || h.shape(0) == 0 || h.shape(0) > kMaxRows || emb.shape() != h.shape() ||
       emb.dtype() != mx::float32)
     fail("h and emb float32 [B, K], at most 32 rows");
@@ -72,8 +83,12 @@ std::vector<mx::array> mtp_step(const mx::array& h, const mx::array& emb, const 
     fail("positions int32 [1] or [B]");
   if (!rope_fits(shape.qkv, D, inv_freq))
     fail("RoPE dims even, at most D; inv_freq [dims / 2]");
-  check_context(ctx_k, B, Hkv, D, length);
-  check_context(ctx_v, B, Hkv, D, length);
+  if (ctx_slots) {
+    check_pools(ctx_k, ctx_v, *ctx_slots, B, Hkv, D, length);
+  } else {
+    check_context(ctx_k, B, Hkv, D, length);
+    check_context(ctx_v, B, Hkv, D, length);
+  }
   if (ctx_mask && (ctx_mask->dtype() != mx::bool_ || ctx_mask->ndim() != 2 || ctx_mask->shape(1) != length ||
                    (ctx_mask->shape(0) != 1 && ctx_mask->shape(0) != B)))
     fail("ctx_mask bool [B or 1, length]");
@@ -83,34 +98,60 @@ std::vector<mx::array> mtp_step(const mx::array& h, const mx::array& emb, const 
       if (a.dtype() != mx::float32 || a.shape() != mx::Shape{B, Hkv, 1, D}) fail("own keys and values [B, Hkv, 1, D]");
   evaluate_constants(weights);
   std::vector<mx::array> inputs{h, emb, positions, inv_freq, ctx_k, ctx_v};
+  if (ctx_slots) inputs.push_back(*ctx_slots);
   if (ctx_mask) inputs.push_back(*ctx_mask);
   inputs.insert(inputs.end(), own_k.begin(), own_k.end());
   inputs.insert(inputs.end(), own_v.begin(), own_v.end());
   auto s = mx::default_stream(mx::Device::cpu);
-  auto op = std::make_shared<MtpStep>(s, shape, weights, length, static_cast<int>(own_k.size()), ctx_mask.has_value());
+  auto op = std::make_shared<MtpStep>(s, shape, weights, length, static_cast<int>(own_k.size()), ctx_mask.has_value(),
+                                     ctx_slots.has_value());
   const mx::Shape kv{B, Hkv, 1, D};
   return mx::array::make_arrays({h.shape(), kv, kv}, {mx::float32, mx::float32, mx::float32}, op, inputs);
 }
 
+namespace {
+
+// The tail [B, Hkv, own + 1, D]: the head's earlier keys (or values) of the round, then this step's.
+void gather_tail(const std::vector<mx::array>& in, size_t first, int own, const float* now, int rows, int D,
+                 std::vector<float>& tail) {
+  const int n = own + 1;
+  std::vector<float> copy;
+  tail.resize(static_cast<size_t>(rows) * n * D);
+  for (int i = 0; i < n; ++i) {
+    const float* src = i < own ? row_major(in[first + i], copy) : now;
+    for (int r = 0; r < rows; ++r)
+      std::memcpy(tail.data() + (static_cast<size_t>(r) * n + i) * D, src + static_cast<size_t>(r) * D, sizeof(float) * D);
+  }
+}
+
+}  // namespace
+
 // The block's attention for B query rows: q [B, Hq, 1, D] over the context's first `length`
-// keys (in place, masked where a mask came), then the tail: the head's earlier keys of the
-// round and this step's (k, v [B, Hkv, 1, D]) -> merged heads [B, 1, Hq * D].
+// keys (in place, or a paged layer's blocks through its slots; masked where a mask came), then
+// the tail: the head's earlier keys of the round and this step's (k, v [B, Hkv, 1, D]) ->
+// merged heads [B, 1, Hq * D].
 void MtpStep::attend(const std::vector<mx::array>& in, int D, const float* q, const float* k, const float* v,
                      float* heads) const {
-  const int B = in[0].shape(0), Hq = shape_.qkv.heads, Hkv = shape_.qkv.kv_heads, own = own_, n = own + 1;
-  std::vector<float> tk(static_cast<size_t>(B) * Hkv * n * D), tv(tk.size()), copy;
-  const size_t first_own = kFixed + (masked_ ? 1 : 0);
-  for (int i = 0; i < n; ++i) {  // the tail [B, Hkv, own + 1, D]
-    const float* ks = i < own ? row_major(in[first_own + i], copy) : k;
-    for (int bh = 0; bh < B * Hkv; ++bh)
-      std::memcpy(tk.data() + (static_cast<size_t>(bh) * n + i) * D, ks + static_cast<size_t>(bh) * D, sizeof(float) * D);
-    const float* vs = i < own ? row_major(in[first_own + own + i], copy) : v;
-    for (int bh = 0; bh < B * Hkv; ++bh)
-      std::memcpy(tv.data() + (static_cast<size_t>(bh) * n + i) * D, vs + static_cast<size_t>(bh) * D, sizeof(float) * D);
-  }
-  std::vector<float> kc, vc;  // a context whose D is strided (never a cache buffer) read as a copy
-  const Context ck = context_of(in[4], kc), cv = context_of(in[5], vc);
+  const int B = in[0].shape(0), Hq = shape_.qkv.heads, Hkv = shape_.qkv.kv_heads, n = own_ + 1;
+  const size_t mask_at = kFixed + (paged_ ? 1 : 0), first_own = mask_at + (masked_ ? 1 : 0);
+  std::vector<float> tk, tv, kc, vc;  // kc, vc: a context whose D is strided (never a cache buffer) copied
+  gather_tail(in, first_own, own_, k, B * Hkv, D, tk);
+  gather_tail(in, first_own + own_, own_, v, B * Hkv, D, tv);
   AttentionArgs at{};
+  std::vector<int32_t> sc;
+  Context ck, cv;
+  if (paged_) {  // [Hkv, P, D] pools, keys in blocks; row b's key j at slot slots[b, j]
+    const auto& slots = in[kFixed];
+    const int64_t pool = static_cast<int64_t>(in[4].shape(1)) * D;
+    at.slots = row_major(slots, sc), at.slot_stride = slots.shape(0) == 1 ? 0 : length_, at.blocked = true;
+    if (!slots_valid(at.slots, static_cast<int64_t>(slots.shape(0)) * length_, in[4].shape(1))) {
+      std::fill(heads, heads + static_cast<size_t>(B) * Hq * D, std::nanf(""));  // a table bug: NaN, never a stray read
+      return;
+    }
+    ck = {row_major(in[4], kc), {0, pool, D}}, cv = {row_major(in[5], vc), {0, pool, D}};
+  } else {
+    ck = context_of(in[4], kc), cv = context_of(in[5], vc);
+  }
   at.B = B, at.Hq = Hq, at.Hkv = Hkv, at.L = 1, at.D = D, at.T = length_ + n, at.scale = shape_.attn_scale;
   at.q = q, at.qs[0] = static_cast<int64_t>(Hq) * D, at.qs[1] = D, at.qs[2] = D;
   at.out = heads, at.os[0] = static_cast<int64_t>(Hq) * D, at.os[1] = D, at.os[2] = static_cast<int64_t>(Hq) * D;
@@ -120,7 +161,7 @@ void MtpStep::attend(const std::vector<mx::array>& in, int D, const float* q, co
   at.split = length_;
   std::vector<char> mask;  // the context's mask, then the head's own keys (always seen)
   if (masked_) {
-    const auto& m = in[kFixed];
+    const auto& m = in[mask_at];
     mask.assign(static_cast<size_t>(B) * at.T, 1);
     const bool* mp = m.data<bool>();
     for (int b = 0; b < B; ++b)
@@ -180,7 +221,7 @@ bool MtpStep::is_equivalent(const mx::Primitive& other) const {
          a.scale == b.scale && a.eps == b.eps && shape_.attn_scale == o.shape_.attn_scale &&
          shape_.eps_emb == o.shape_.eps_emb && shape_.eps_hidden == o.shape_.eps_hidden &&
          shape_.eps_post == o.shape_.eps_post && shape_.eps_out == o.shape_.eps_out && length_ == o.length_ &&
-         own_ == o.own_ && masked_ == o.masked_ &&
+         own_ == o.own_ && masked_ == o.masked_ && paged_ == o.paged_ &&
          std::equal(weights_.begin(), weights_.end(), o.weights_.begin(), o.weights_.end(),
                     [](const mx::array& x, const mx::array& y) { return x.id() == y.id(); });
 }
