@@ -15,6 +15,7 @@ from specbatch.kernels.drafters.mtp import MTPDrafter, MTPHead, save_head
 from specbatch.kernels.drafters.mtp_checkpoint import load_head
 from specbatch.kernels.loops.batch import BatchLoop
 from specbatch.kernels.loops.scalar import ScalarLoop
+from specbatch.kernels.paged_kv import KVLayout
 from specbatch.kernels.runner import ModelRunner
 from specbatch.runtime.config import EngineConfig
 from specbatch.kernels.build import new_engine
@@ -40,17 +41,20 @@ def test_mtp_streams_equal_plain(tiny, head, k, one_core, monkeypatch):
     assert run_batch(tiny, head, PROMPTS, k=k, params=params, together=True)[0] == plain  # left-padded rows
 
 
-def test_mtp_close_anywhere_and_rebuild(tiny, head):
+@pytest.mark.parametrize("scalar_layout,batch_layout", [("paged", "paged"), ("dense", "paged"), ("paged", "dense")])
+def test_mtp_close_anywhere_and_rebuild(tiny, head, scalar_layout, batch_layout):
+    """The scalar loop's KV (a one-row paged cache, or single-sequence caches) joins either
+    batch layout."""
     kw = dict(max_tokens=24, temperature=0.7, seed=9, ignore_eos=True)
     reference = run_plain(tiny, "def g(a):", **kw)
     for delivered in (1, 2, 3, 5, 8):
         request = make_request(tiny, "def g(a):", **kw)
         runner = ModelRunner(tiny.model)
-        scalar = ScalarLoop(runner, MTPDrafter(head, runner), request)
+        scalar = ScalarLoop(runner, MTPDrafter(head, runner), request, layout=KVLayout(scalar_layout))
         scalar.start()
         while request.emitted < delivered:
             scalar.step(Decision(3))
-        batch = BatchLoop(runner, MTPDrafter(head, runner))
+        batch = BatchLoop(runner, MTPDrafter(head, runner), layout=KVLayout(batch_layout))
         batch.rebuild(scalar.close())
         batch.capture_round()  # cold start: one hidden state per row, no re-prefill
         assert batch.drafter.width == 1

@@ -15,7 +15,9 @@ from specbatch.runtime.config import EngineConfig
 from specbatch.kernels.drafters.ngram import NGramSource, propose, propose_tree
 from specbatch.kernels.build import make_drafter, new_core
 from specbatch.kernels.loops.scalar import ScalarLoop
+from specbatch.kernels.paged_kv import KVLayout, PagedKV
 from specbatch.kernels.runner import ModelRunner
+from specbatch.kernels.single_kv import SingleKV
 from specbatch.runtime.policy import Decision, RowState
 from specbatch.runtime.tree_shape import TreeLayout, TreeShape, walk
 
@@ -126,23 +128,26 @@ def assert_kv_equal(cache, ref) -> None:
         assert mx.allclose(c.values[..., :c.offset, :], v, atol=1e-4, rtol=1e-4).item()
 
 
+@pytest.mark.parametrize("layout", ["paged", "dense"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_kv_after_accepted_branches_equals_plain_kv(tiny, tiny_draft, temperature):
-    """Rounds on tiny fp32 models; after each, the target's KV equals a plain forward of
-    the same tokens. Some accepted paths leave the first child (so columns really move)."""
+def test_kv_after_accepted_branches_equals_plain_kv(tiny, tiny_draft, temperature, layout):
+    """Rounds on tiny fp32 models; after each, the target's KV (a one-row paged cache, or
+    single-sequence caches) equals a plain forward of the same tokens. Some accepted paths
+    leave the first child (so columns really move)."""
     prompt = [5, 9, 13, 5, 9, 17, 5, 9, 13, 22, 5, 9]
     moved = 0
     for drafter in (tiny, tiny_draft):
         request = make_request(tiny, prompt, max_tokens=24, temperature=temperature, seed=11)
         runner = ModelRunner(tiny.model)
-        loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request)
+        loop = ScalarLoop(runner, make_drafter(drafter, runner, False), request, layout=KVLayout(layout))
         loop.start()
+        assert isinstance(loop.kv, PagedKV if layout == "paged" else SingleKV)
         while not loop.finished:
             out = loop.step(draft(3, TreeShape([3, 2, 1])))
             if out.verify:
                 moved += out.verify.accepted[0] >= 2  # p_2 is node 4 or later in [3, 2, 1]
                 if not loop.finished:
-                    assert_kv_equal(loop.cache, plain_kv(tiny, held_tokens(request, loop)))
+                    assert_kv_equal(loop.singles(), plain_kv(tiny, held_tokens(request, loop)))
         assert request.tokens == run_plain(tiny, prompt, max_tokens=24, temperature=temperature, seed=11)
     assert moved
 
@@ -163,7 +168,7 @@ def test_kv_check_catches_a_missing_compaction(tiny, monkeypatch):
     assert loop.last_round.accepted[0] == 3  # path 1, 3, 7: columns 3 and 7 should have moved
     held = held_tokens(request, loop)
     with pytest.raises(AssertionError):
-        assert_kv_equal(loop.cache, plain_kv(tiny, held))
+        assert_kv_equal(loop.singles(), plain_kv(tiny, held))
 
 
 @pytest.mark.parametrize("shape", ["2,1,1", "3,2,1"])

@@ -103,7 +103,7 @@ def test_dynamic_tree_streams_and_kv_equal_plain(tiny, mtp_head, shape, temperat
         if out.verify:
             sizes.append(out.verify.drafted)
             if not loop.finished:
-                assert_kv_equal(loop.cache, plain_kv(tiny, held_tokens(request, loop)))
+                assert_kv_equal(loop.singles(), plain_kv(tiny, held_tokens(request, loop)))
     assert request.tokens == run_plain(tiny, PROMPT, **params)
     assert sizes and max(sizes) <= 3
     got, _, _ = drive_scalar(tiny, mtp_head, PROMPT, 3, tree=TreeShape.parse(shape), **params)

@@ -90,20 +90,23 @@ class LoopKernels:
         return self.drafter_factory(self.drafter, self.runner, batch)
 
     def scalar(self, request: Request) -> tuple[ScalarLoop, RoundOutput]:
-        loop = ScalarLoop(self.runner, self._drafter(batch=False), request, self.config.verify)
+        loop = ScalarLoop(self.runner, self._drafter(batch=False), request, self.config.verify, self._layout())
         partial, reused = self.chunks.take(request), 0
         if partial is not None:  # (some of) its prompt was prefilled between rounds
             out = loop.start(partial.cache, partial.logits, partial.hidden)
         else:
             cache, reused = self.prompt_cache.lookup(request.prompt)
             out = loop.start(cache)
-        self.prompt_cache.offer(request, loop.cache)  # arrivals while it runs reuse its prompt
+        self.prompt_cache.offer(request, loop.singles)  # arrivals while it runs reuse its prompt
         log.info("admit", reused=reused, request=request.id, loop="scalar", prompt_tokens=len(request.prompt))
         return loop, out
 
+    def _layout(self) -> KVLayout:
+        return KVLayout(self.config.memory.kv_layout, self.config.memory.kv_bits)
+
     def batch(self, speculative: bool) -> BatchLoop:
         drafter = self._drafter(batch=True) if speculative else None
-        loop = BatchLoop(self.runner, drafter, self.config.verify, KVLayout(self.config.memory.kv_layout, self.config.memory.kv_bits))
+        loop = BatchLoop(self.runner, drafter, self.config.verify, self._layout())
         loop.retire = self.prompt_cache.retire
         return loop
 
@@ -130,7 +133,7 @@ class LoopKernels:
 
     def retire(self, loop: ScalarLoop) -> None:
         if retires(loop.request):
-            self.prompt_cache.retire(held_tokens(loop.request), loop.cache)
+            self.prompt_cache.retire(held_tokens(loop.request), loop.singles())
 
     def gauges(self) -> dict:
         pc = self.prompt_cache

@@ -127,7 +127,7 @@ class BatchLoop:
         for token, logprob in zip(handoff.undelivered, lps):
             if out.emit(request, token, logprob):
                 return out
-        self.add_row(Row(request, handoff.pending, handoff.prev), BatchKV.from_singles(handoff.target_cache))
+        self.add_row(Row(request, handoff.pending, handoff.prev), handoff.kv)
         return out
 
     # -- arming ---------------------------------------------------------------------------

@@ -5,6 +5,11 @@ against a sampled target whenever both land on the same token: the highest accep
 and no batch bookkeeping. Tokens go out one at a time (``step``); the loop can be
 closed between any two, and ``close`` returns a ``Handoff`` from which the batch loop
 rebuilds the request without losing, repeating or re-sampling a token.
+
+Its KV is the engine's layout for one row: under the paged default the prompt is prefilled
+into single-sequence caches and then moved into a one-row paged cache, whose blocked keys
+the CPU kernels (the decoder stack, the MTP head's step) read in place; dense or quantized
+layouts keep mlx-lm's single-sequence caches (``SingleKV``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import mlx.core as mx
 from ...runtime.output import RoundOutput
 from ...runtime.policy import PLAIN, Decision
 from ...runtime.request import Request
+from ..kv import BatchKV
 from ..logprobs import sample_read
+from ..paged_kv import KVLayout, PagedKV
 from ..runner import TargetRunner
 from ..sampling import RowSampling, positions_from
 from ..single_kv import SingleKV
@@ -30,8 +37,8 @@ class Handoff:
     """A closed scalar generation, ready to rebuild in the batch loop.
 
     ``undelivered``: the round's verified tokens not yet emitted (they go out first; their
-    KV is already in ``target_cache``). ``pending``: the bonus token the next round starts
-    from. ``emitted``: the real emitted count at close time.
+    KV is already in ``kv``, a one-row batch cache). ``pending``: the bonus token the next
+    round starts from. ``emitted``: the real emitted count at close time.
     """
 
     request: Request
@@ -39,16 +46,18 @@ class Handoff:
     pending: int
     prev: int
     emitted: int
-    target_cache: list
+    kv: BatchKV
     logprobs: list = attrs.field(factory=list)  # parallel to undelivered (None: not asked)
 
 
 class ScalarLoop:
     """One request; speculative rounds with coupled drafting (or plain without a drafter)."""
 
-    def __init__(self, target: TargetRunner, drafter, request: Request, verify: str = "coupled"):
+    def __init__(self, target: TargetRunner, drafter, request: Request, verify: str = "coupled",
+                 layout: KVLayout = KVLayout()):
         self.target, self.drafter, self.request, self.verify = target, drafter, request, verify
-        self.kv = SingleKV(target.make_cache())
+        self.layout = layout
+        self.kv: SingleKV | PagedKV = SingleKV(target.make_cache())
         self._buffer: collections.deque[tuple] = collections.deque()  # (token, TokenLogprob | None)
         self._rows = RowSampling.of([request.params], [request.tokens])
         self.pending = self.prev = -1
@@ -58,19 +67,32 @@ class ScalarLoop:
         """Prefill (the rest past ``cache``), emit the first token, and prefill the drafter's
         copy of the history. ``logits`` ``[1, V]`` (and ``hidden``): the prompt is all in
         ``cache`` already (a chunked prefill), so nothing is prefilled here."""
-        if cache is not None:
-            self.kv = SingleKV(cache)
-        first, logprob, hidden = first_token(self.target, self.request, self.cache, self._rows, logits, hidden)
+        single = cache if cache is not None else self.kv.layers
+        first, logprob, hidden = first_token(self.target, self.request, single, self._rows, logits, hidden)
+        self.kv = self._rows_of(single)
         self.prev, self.pending = self.request.prompt[-1], first
         out = RoundOutput()
         if not out.emit(self.request, first, logprob) and self.drafter is not None:
             self.drafter.add_rows([self.request.prompt + [first]], hidden=hidden)
         return out
 
+    def _rows_of(self, single: list) -> SingleKV | PagedKV:
+        """The KV the rounds run over, holding the prefilled ``single`` caches' tokens."""
+        if self.layout.kind != "paged" or self.layout.bits:
+            return SingleKV(single)
+        kv = self.layout.empty(len(single))
+        kv.extend(BatchKV.from_singles(single))
+        return kv
+
     @property
     def cache(self) -> list:
-        """The target's single-sequence caches, one per layer."""
+        """The target's caches the rounds run over, one per layer (a one-row paged cache's
+        layers, or single-sequence caches)."""
         return self.kv.layers
+
+    def singles(self) -> list:
+        """The row's KV as mlx-lm single-sequence caches, one per layer (the prompt cache's)."""
+        return self.kv.layers if isinstance(self.kv, SingleKV) else self.kv.extract(0)
 
     @property
     def finished(self) -> bool:
@@ -95,7 +117,8 @@ class ScalarLoop:
 
     def memory(self) -> dict:
         kv = self.kv.nbytes
-        return {"kv_bytes": kv, "kv_used_bytes": kv,
+        used = kv if isinstance(self.kv, SingleKV) else self.kv.used_bytes()
+        return {"kv_bytes": kv, "kv_used_bytes": used,
                 "drafter_kv_bytes": self.drafter.nbytes() if self.drafter else 0}
 
     def _round(self, decision: Decision) -> None:
@@ -119,8 +142,9 @@ class ScalarLoop:
 
     def close(self) -> Handoff:
         """Stop here (usually mid-round) and hand everything to the batch loop."""
+        kv = BatchKV.from_singles(self.cache) if isinstance(self.kv, SingleKV) else self.kv
         handoff = Handoff(self.request, [t for t, _ in self._buffer], self.pending, self.prev,
-                          self.request.emitted, self.cache, [lp for _, lp in self._buffer])
+                          self.request.emitted, kv, [lp for _, lp in self._buffer])
         self._buffer.clear()
         return handoff
 
