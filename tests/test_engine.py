@@ -116,6 +116,36 @@ def test_async_stream(plain):
     assert isinstance(asyncio.run(collect()), str)
 
 
+def test_async_stream_gets_events_pushed_before_it_reads(plain):
+    """The worst interleaving, forced: the engine thread finishes the request before the
+    caller's coroutine returns from queueing it. The stream still carries every token (its
+    listener was attached before the request reached the engine)."""
+    params = SamplingParams(max_tokens=9, ignore_eos=True, seed=3, temperature=0.5)
+    want = plain.submit("def h():", params).result(timeout=60)
+    inbox = plain._inbox
+
+    class FinishingInbox:  # the engine's queue, whose put returns once queued requests are done
+        def put(self, item):
+            handles = [plain.handle(request) for request in item or ()]  # item: requests, or a wake-up
+            inbox.put(item)
+            for handle in handles:
+                handle.result(timeout=60)
+
+        def __getattr__(self, name):
+            return getattr(inbox, name)
+
+    async def collect():
+        events = [e async for e in plain.stream("def h():", params)]
+        return [e.token for e in events if e.token is not None], "".join(e.text for e in events)
+
+    plain._inbox = FinishingInbox()
+    try:
+        tokens, text = asyncio.run(asyncio.wait_for(collect(), 60))
+    finally:
+        plain._inbox = inbox
+    assert (tokens, text) == (want.token_ids, want.text)
+
+
 def test_threads_submit_concurrently(plain):
     out = {}
 

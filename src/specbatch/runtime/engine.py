@@ -98,10 +98,15 @@ class Engine:
         """Queue several requests as one arrival: the next step admits them together."""
         return self._enqueue(*[self.prepare(p, params) for p in prompts])  # all valid, or none queued
 
-    def _enqueue(self, *requests: Request) -> list[RequestHandle]:
+    def _enqueue(self, *requests: Request, attach: asyncio.AbstractEventLoop | None = None) -> list[RequestHandle]:
+        """Queue ``requests`` as one arrival; ``attach``: give each handle a listener on
+        that event loop first."""
         if self.failure:
             raise EngineClosed(f"engine stopped: {self.failure}")
         handles = [RequestHandle(r.id, r.params.seed, len(r.prompt)) for r in requests]
+        if attach is not None:
+            for h in handles:
+                h._attach(attach)
         self._handles.update((h.request_id, h) for h in handles)
         with self._lock:
             self._in_flight_to_queue += len(requests)
@@ -129,8 +134,10 @@ class Engine:
         """Queue prepared requests as one arrival (the next step admits them together);
         one async event stream each, which cancels its request if its consumer leaves."""
         loop = asyncio.get_running_loop()
-        handles = self._enqueue(*requests)
-        return [self._events(h, h._attach(loop)) for h in handles]
+        # listeners attach before the engine thread can see the requests: an event pushed
+        # in between (a first token, under load) would reach no stream
+        handles = self._enqueue(*requests, attach=loop)
+        return [self._events(h, h.listener(loop)) for h in handles]
 
     async def _events(self, handle: RequestHandle, events):
         try:

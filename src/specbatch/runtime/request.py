@@ -116,9 +116,15 @@ class RequestHandle:
         return self._completion
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        """A queue on ``loop`` that gets every event pushed from now on (attach before the
+        request is queued, or its first events go only to the blocking iterator)."""
         aqueue: asyncio.Queue = asyncio.Queue()
         self._listeners.append((loop, aqueue))
         return aqueue
+
+    def listener(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        """The queue ``_attach`` made for ``loop``."""
+        return next(q for owner, q in self._listeners if owner is loop)
 
 
 @attrs.define(eq=False)
