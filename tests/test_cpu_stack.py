@@ -173,14 +173,22 @@ def test_decoder_stack_refuses_inputs_that_do_not_fit(tiny):
     pools = [mx.zeros((kv_heads, 16, head_dim))] * (2 * len(model.layers))
     slots = mx.zeros((2,), dtype=mx.int32)
 
-    def call(weights=weights, eps=plan.eps, buffers=dense, write=None, read=None, start=0):
-        return ext.decoder_stack(h, weights, list(eps), mx.array([start], dtype=mx.int32),
-                                 plan.layers[0].rope["_sb_inv_freq"], heads, kv_heads, dims, traditional, rope_scale,
-                                 attn_scale, bias, buffers, write, read, start, "causal", mx.array(False), [])
+    def held(weights=weights, eps=plan.eps):
+        return ext.stack_weights(weights, list(eps), heads, kv_heads, dims, traditional, rope_scale, attn_scale, bias)
+
+    def call(buffers=dense, write=None, read=None, start=0, x=h):
+        return ext.decoder_stack(x, held(), mx.array([start], dtype=mx.int32), plan.layers[0].rope["_sb_inv_freq"],
+                                 buffers, write, read, start, "causal", mx.array(False), [])
 
     assert call()[0].shape == h.shape  # fits: built
-    with pytest.raises(ValueError, match="two KV buffers, two eps and its weights"):
-        call(weights=weights[:-1])
+    with pytest.raises(ValueError, match="two eps and its weights"):
+        held(weights=weights[:-1])
+    with pytest.raises(ValueError, match="two eps and its weights"):
+        held(eps=plan.eps[:-1])
+    with pytest.raises(ValueError, match="two KV buffers"):
+        call(buffers=dense[:-2])
+    with pytest.raises(ValueError, match="K the stack's"):
+        call(x=mx.zeros((1, 2, model.args.hidden_size + 1)))
     with pytest.raises(ValueError, match="with room for the tokens"):
         call(start=7)
     with pytest.raises(ValueError, match="write_slots int32"):

@@ -162,7 +162,7 @@ class Stack:
         if self.read.get("at") != edits.count():  # a swapped module was written since: check again
             if not all(map(is_, map(getitem, *self.links[:2]), self.links[2])):
                 return None
-            self.read.update(at=edits.count(), weights=list(map(getitem, *self.sources)))
+            self.read.update(at=edits.count(), weights=list(map(getitem, *self.sources)), held=None)
         h = self.inner["embed_tokens"](tokens)  # [B, L, D]
         if h.dtype != mx.float32:
             return None
@@ -199,10 +199,13 @@ class Stack:
             return None
         if kind == "array" and mask.shape[2:] != (L, write.end):
             mask = mx.broadcast_to(mask, (mask.shape[0], 1, L, write.end))
-        weights = self.read["weights"]  # as read at the current edit count (__call__)
-        out = ext.decoder_stack(h, weights, self.eps, positions, self.layers[0].rope["_sb_inv_freq"], heads, kv_heads,
-                                dims, traditional, rope_scale, attn_scale, bias, write.buffers, write.write_slots,
-                                write.read_slots, write.start, kind, mask if kind == "array" else _NO_MASK, list(keep))
+        held = self.read.get("held")  # the weights as read at the current edit count (__call__), checked once
+        if held is None:
+            held = self.read["held"] = ext.stack_weights(self.read["weights"], list(self.eps), heads, kv_heads, dims,
+                                                         traditional, rope_scale, attn_scale, bias)
+        out = ext.decoder_stack(h, held, positions, self.layers[0].rope["_sb_inv_freq"], write.buffers,
+                                write.write_slots, write.read_slots, write.start, kind,
+                                mask if kind == "array" else _NO_MASK, list(keep))
         n = 1 + len(keep)
         write.commit(out[n:])
         return out[0], out[1:n]

@@ -25,6 +25,13 @@
 namespace nb = nanobind;
 namespace mx = mlx::core;
 
+namespace {
+// What Python holds of a stack's checked constants (an opaque handle).
+struct StackWeightsHandle {
+  std::shared_ptr<const specbatch::StackWeights> held;
+};
+}  // namespace
+
 NB_MODULE(_ext, m) {
   m.doc() = "specbatch's CPU kernels as MLX primitives";
   m.def("small_linear", &specbatch::small_linear, nb::arg("x"), nb::arg("w"),
@@ -58,20 +65,27 @@ NB_MODULE(_ext, m) {
         nb::arg("inv_freq"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"),
         nb::arg("scale"), nb::arg("norms") = std::vector<mx::array>{}, nb::arg("eps") = 0.0f,
         "a layer's q, k (roped) and v in the head layout, one op for up to 32 rows (norms: the input RMSNorm first)");
-  m.def("decoder_stack", [](const mx::array& h, const std::vector<mx::array>& weights, const std::vector<float>& eps,
-                            const mx::array& positions, const mx::array& inv_freq, int heads, int kv_heads, int dims,
-                            bool traditional, float rope_scale, float attn_scale, bool bias,
-                            const std::vector<mx::array>& buffers, const std::optional<mx::array>& write_slots,
-                            const std::optional<mx::array>& read_slots, int start, const std::string& mask_kind,
-                            const mx::array& mask, const std::vector<int>& keep) {
+  nb::class_<StackWeightsHandle>(m, "StackWeights",
+                                 "a decoder stack's weights and eps, checked and evaluated once (stack_weights)");
+  m.def("stack_weights", [](const std::vector<mx::array>& weights, const std::vector<float>& eps, int heads,
+                            int kv_heads, int dims, bool traditional, float rope_scale, float attn_scale, bool bias) {
           const specbatch::StackShape shape{{heads, kv_heads, dims, traditional, rope_scale}, attn_scale, bias};
-          return specbatch::decoder_stack(h, weights, eps, positions, inv_freq, shape,
+          return StackWeightsHandle{specbatch::stack_weights(weights, eps, shape)};
+        }, nb::arg("weights"), nb::arg("eps"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"),
+        nb::arg("traditional"), nb::arg("rope_scale"), nb::arg("attn_scale"), nb::arg("bias"),
+        "a decoder stack's constants for decoder_stack: each layer's arrays (norm_in, wq, wk, wv, [bq, bk, bv], "
+        "norm_post, wg, wu, wd, wo) and its two norms' eps, checked once");
+  m.def("decoder_stack", [](const mx::array& h, const StackWeightsHandle& w, const mx::array& positions,
+                            const mx::array& inv_freq, const std::vector<mx::array>& buffers,
+                            const std::optional<mx::array>& write_slots, const std::optional<mx::array>& read_slots,
+                            int start, const std::string& mask_kind, const mx::array& mask,
+                            const std::vector<int>& keep) {
+          return specbatch::decoder_stack(h, w.held, positions, inv_freq,
                                           specbatch::StackKV{buffers, write_slots, read_slots, start}, mask_kind,
                                           mask, keep);
-        }, nb::arg("h"), nb::arg("weights"), nb::arg("eps"), nb::arg("positions"), nb::arg("inv_freq"),
-        nb::arg("heads"), nb::arg("kv_heads"), nb::arg("dims"), nb::arg("traditional"), nb::arg("rope_scale"),
-        nb::arg("attn_scale"), nb::arg("bias"), nb::arg("buffers"), nb::arg("write_slots").none(),
-        nb::arg("read_slots").none(), nb::arg("start"), nb::arg("mask_kind"), nb::arg("mask"), nb::arg("keep"),
+        }, nb::arg("h"), nb::arg("weights"), nb::arg("positions"), nb::arg("inv_freq"), nb::arg("buffers"),
+        nb::arg("write_slots").none(), nb::arg("read_slots").none(), nb::arg("start"), nb::arg("mask_kind"),
+        nb::arg("mask"), nb::arg("keep"),
         "a decoder stack's decode or verify forward as one op, over a paged cache (buffers: pools, with slots) or "
         "dense KVCache buffers (from column `start`): [the last layer's output, the kept layers', the written "
         "buffers]");

@@ -41,47 +41,55 @@ int check_kv(const StackKV& kv, int B, int L, int Hkv, int D) {
   return kv.read_slots->shape(1);
 }
 
-void check(const mx::array& h, const std::vector<mx::array>& weights, const std::vector<float>& eps,
-           const mx::array& positions, const mx::array& inv_freq, const StackShape& s, const StackKV& kv,
-           const std::string& kind, const mx::array& mask, const std::vector<int>& keep) {
-  const size_t layers = kv.buffers.size() / 2;
-  if (layers == 0 || kv.buffers.size() != 2 * layers || weights.size() != layers * layer_inputs(s.bias) ||
-      eps.size() != 2 * layers)
-    fail("per layer two KV buffers, two eps and its weights");
-  if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(0) * h.shape(1) > kMaxRows || h.size() == 0)
-    fail("h float32 [B, L, K], at most 32 rows");
-  if (detect_isa() == Isa::none) throw std::runtime_error("decoder_stack: the CPU lacks AVX2/FMA");
-  const int B = h.shape(0), L = h.shape(1), K = h.shape(2);
-  const int D = s.qkv.heads > 0 && weights[1].ndim() == 2 ? weights[1].shape(0) / s.qkv.heads : 0;
-  if (D == 0 || D > 256 || s.qkv.kv_heads <= 0 || s.qkv.heads % s.qkv.kv_heads)
-    fail("Hq a multiple of Hkv, D <= 256");
-  for (size_t i = 0; i < layers; ++i)
-    if (const char* what = block_mismatch(weights.data() + i * layer_inputs(s.bias), s.qkv, s.bias, K, D)) fail(what);
+// What a forward brings against its stack's checked constants.
+void check(const mx::array& h, const StackWeights& w, const mx::array& positions, const mx::array& inv_freq,
+           const StackKV& kv, const std::string& kind, const mx::array& mask, const std::vector<int>& keep) {
+  if (kv.buffers.size() != 2 * static_cast<size_t>(w.layers)) fail("per layer two KV buffers");
+  if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(0) * h.shape(1) > kMaxRows || h.size() == 0 ||
+      h.shape(2) != w.K)
+    fail("h float32 [B, L, K] (K the stack's), at most 32 rows");
+  const int B = h.shape(0), L = h.shape(1);
   if (positions.dtype() != mx::int32 || positions.ndim() != 1 || (positions.shape(0) != 1 && positions.shape(0) != B))
     fail("positions int32 [1] or [B]");
-  if (!rope_fits(s.qkv, D, inv_freq))
+  if (!rope_fits(w.shape.qkv, w.D, inv_freq))
     fail("RoPE dims even, at most D; inv_freq [dims / 2]");
-  const int T = check_kv(kv, B, L, s.qkv.kv_heads, D);
+  const int T = check_kv(kv, B, L, w.shape.qkv.kv_heads, w.D);
   if (kind == "causal" ? L > T : kind == "array" ? (mask.dtype() != mx::bool_ || mask.ndim() != 4 ||
                                                     mask.shape(1) != 1 || mask.shape(2) != L || mask.shape(3) != T ||
                                                     (mask.shape(0) != 1 && mask.shape(0) != B))
                                                  : !kind.empty())
     fail("mask '', 'causal' (L <= T) or 'array' (bool [B or 1, 1, L, T])");
   for (int i : keep)
-    if (i < 0 || static_cast<size_t>(i) >= layers) fail("keep names a layer");
+    if (i < 0 || i >= w.layers) fail("keep names a layer");
 }
 
 }  // namespace
 
-std::vector<mx::array> decoder_stack(const mx::array& h, const std::vector<mx::array>& weights,
-                                     const std::vector<float>& eps, const mx::array& positions,
-                                     const mx::array& inv_freq, const StackShape& shape, const StackKV& kv,
-                                     const std::string& mask_kind, const mx::array& mask,
-                                     const std::vector<int>& keep) {
-  check(h, weights, eps, positions, inv_freq, shape, kv, mask_kind, mask, keep);
+std::shared_ptr<const StackWeights> stack_weights(std::vector<mx::array> weights, std::vector<float> eps,
+                                                  const StackShape& s) {
+  const size_t per = layer_inputs(s.bias), layers = weights.size() / per;
+  if (layers == 0 || weights.size() != layers * per || eps.size() != 2 * layers)
+    fail("per layer two eps and its weights");
+  if (detect_isa() == Isa::none) throw std::runtime_error("decoder_stack: the CPU lacks AVX2/FMA");
+  const int K = weights[0].ndim() == 1 ? weights[0].shape(0) : 0;
+  const int D = s.qkv.heads > 0 && weights[1].ndim() == 2 ? weights[1].shape(0) / s.qkv.heads : 0;
+  if (D == 0 || D > 256 || s.qkv.kv_heads <= 0 || s.qkv.heads % s.qkv.kv_heads)
+    fail("Hq a multiple of Hkv, D <= 256");
+  for (size_t i = 0; i < layers; ++i)
+    if (const char* what = block_mismatch(weights.data() + i * per, s.qkv, s.bias, K, D)) fail(what);
   // The weights are constants the op holds, not inputs: each of a many-output op's outputs copies
   // its inputs (~430 a step, 63 outputs), and the graph would walk them every step.
   evaluate_constants(weights);
+  return std::make_shared<const StackWeights>(StackWeights{s, std::move(weights), std::move(eps),
+                                                           static_cast<int>(layers), K, D});
+}
+
+std::vector<mx::array> decoder_stack(const mx::array& h, const std::shared_ptr<const StackWeights>& w,
+                                     const mx::array& positions, const mx::array& inv_freq, const StackKV& kv,
+                                     const std::string& mask_kind, const mx::array& mask,
+                                     const std::vector<int>& keep) {
+  if (!w) fail("no weights");
+  check(h, *w, positions, inv_freq, kv, mask_kind, mask, keep);
   auto s = mx::default_stream(mx::Device::cpu);
   const bool masked = mask_kind == "array";
   std::vector<mx::array> inputs{h, positions, inv_freq};
@@ -91,7 +99,7 @@ std::vector<mx::array> decoder_stack(const mx::array& h, const std::vector<mx::a
   std::vector<mx::Shape> shapes(1 + keep.size(), h.shape());
   for (const auto& p : kv.buffers) shapes.push_back(p.shape());
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
-  auto op = std::make_shared<DecoderStack>(s, shape, weights, eps, keep, mask_kind == "causal", masked, kv.paged(),
+  auto op = std::make_shared<DecoderStack>(s, w, keep, mask_kind == "causal", masked, kv.paged(),
                                            kv.paged() ? 0 : kv.start);
   return mx::array::make_arrays(std::move(shapes), dtypes, op, inputs);
 }
@@ -104,16 +112,16 @@ struct Layout {
   size_t mask, kv;  // the mask's input, the first KV buffer's
 };
 
-Layout layout_of(const std::vector<mx::array>& in, const std::vector<mx::array>& weights, const StackShape& s,
-                 bool masked, bool paged, int start) {
+Layout layout_of(const std::vector<mx::array>& in, const StackWeights& w, bool masked, bool paged, int start) {
+  const StackShape& s = w.shape;
   Layout l{};
   l.B = in[0].shape(0), l.L = in[0].shape(1), l.K = in[0].shape(2);
   l.Hq = s.qkv.heads, l.Hkv = s.qkv.kv_heads, l.per = layer_inputs(s.bias);
   l.T = paged ? in[kFixed + 1].shape(1) : start + l.L;
   l.mask = kFixed + (paged ? 2 : 0);
   l.kv = l.mask + (masked ? 1 : 0);
-  l.layers = static_cast<int>(weights.size() / l.per);
-  l.D = weights[1].shape(0) / l.Hq;
+  l.layers = w.layers;
+  l.D = w.D;
   return l;
 }
 
@@ -175,7 +183,8 @@ LayerView layer_view(const Constant* t, bool bias) {
 
 // The layers in turn on the pool (the op's task): ys = {the output, the kept outputs, the pools}.
 void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float*>& ys) const {
-  const Layout l = layout_of(in, weights_, shape_, masked_, paged_, start_);
+  const StackShape& shape = w_->shape;
+  const Layout l = layout_of(in, *w_, masked_, paged_, start_);
   const int M = l.B * l.L, nq = l.Hq * l.D, nk = l.Hkv * l.D;
   std::vector<float> hc, ic;
   std::vector<int> pc, wc, rc;
@@ -187,11 +196,11 @@ void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float
   std::vector<float> buf[2] = {std::vector<float>(static_cast<size_t>(M) * l.K), std::vector<float>(M * l.K)};
   const float* x = row_major(in[0], hc);
   const size_t out_pools = 1 + keep_.size();
-  const HeldConstants t(weights_);
+  const HeldConstants t(w_->weights);
   for (int i = 0; i < l.layers; ++i) {
-    const LayerView lv = layer_view(t.data() + static_cast<size_t>(i) * l.per, shape_.bias);
-    QkvShape qs = shape_.qkv;
-    qs.eps = eps_[2 * i];
+    const LayerView lv = layer_view(t.data() + static_cast<size_t>(i) * l.per, shape.bias);
+    QkvShape qs = shape.qkv;
+    qs.eps = w_->eps[2 * i];
     QkvRows r{x, l.B, l.L, l.K, {lv.m[0], lv.m[1], lv.m[2]}, nq, nk, lv.norm_in, {lv.bias[0], lv.bias[1], lv.bias[2]},
               pos, in[1].shape(0) > 1, false, inv, qs, {q.data(), k.data(), v.data()}};
     qkv_rows(r);
@@ -207,9 +216,9 @@ void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float
       dense_rows(k.data(), l.B, l.Hkv, l.L, l.D, C, start_, kp);
       dense_rows(v.data(), l.B, l.Hkv, l.L, l.D, C, start_, vp);
     }
-    attend(l, q.data(), kp, vp, P, C, rs, masked_ ? &in[l.mask] : nullptr, shape_, causal_, heads.data());
+    attend(l, q.data(), kp, vp, P, C, rs, masked_ ? &in[l.mask] : nullptr, shape, causal_, heads.data());
     float* y = i + 1 == l.layers ? ys[0] : buf[i % 2].data();
-    mlp_rows(x, heads.data(), M, l.K, lv.I, nq, lv.norm_post, eps_[2 * i + 1], lv.m[3], lv.m[4], lv.m[5], &lv.m[6], y);
+    mlp_rows(x, heads.data(), M, l.K, lv.I, nq, lv.norm_post, w_->eps[2 * i + 1], lv.m[3], lv.m[4], lv.m[5], &lv.m[6], y);
     for (size_t j = 0; j < keep_.size(); ++j)
       if (keep_[j] == i) std::memcpy(ys[1 + j], y, sizeof(float) * M * l.K);
     x = y;
@@ -223,7 +232,7 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
   if (!outputs[0].is_tracer())
     for (auto& o : outputs)
       if (&o.inputs() != &inputs) o.inputs().clear();
-  const Layout l = layout_of(inputs, weights_, shape_, masked_, paged_, start_);
+  const Layout l = layout_of(inputs, *w_, masked_, paged_, start_);
   const size_t out_pools = 1 + keep_.size();
   std::vector<mx::array> copied;  // pools another reference holds: copied first, then written
   std::vector<float*> copy_to;
@@ -254,13 +263,15 @@ void DecoderStack::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx
 
 bool DecoderStack::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const DecoderStack&>(other);
-  const auto& a = shape_.qkv;
-  const auto& b = o.shape_.qkv;
+  if (keep_ != o.keep_ || causal_ != o.causal_ || masked_ != o.masked_ || paged_ != o.paged_ || start_ != o.start_)
+    return false;
+  if (w_ == o.w_) return true;
+  const auto& a = w_->shape.qkv;
+  const auto& b = o.w_->shape.qkv;
   return a.heads == b.heads && a.kv_heads == b.kv_heads && a.dims == b.dims && a.traditional == b.traditional &&
-         a.scale == b.scale && shape_.attn_scale == o.shape_.attn_scale && shape_.bias == o.shape_.bias &&
-         eps_ == o.eps_ && keep_ == o.keep_ && causal_ == o.causal_ && masked_ == o.masked_ && paged_ == o.paged_ &&
-         start_ == o.start_ &&
-         std::equal(weights_.begin(), weights_.end(), o.weights_.begin(), o.weights_.end(),
+         a.scale == b.scale && w_->shape.attn_scale == o.w_->shape.attn_scale && w_->shape.bias == o.w_->shape.bias &&
+         w_->eps == o.w_->eps &&
+         std::equal(w_->weights.begin(), w_->weights.end(), o.w_->weights.begin(), o.w_->weights.end(),
                     [](const mx::array& x, const mx::array& y) { return x.id() == y.id(); });
 }
 

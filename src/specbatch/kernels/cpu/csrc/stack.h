@@ -6,6 +6,7 @@
 // by one on the caller's thread (~4 us each), while the step's compute ran on both cores.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,24 +39,35 @@ struct StackKV {
   bool paged() const { return write_slots.has_value(); }
 };
 
-// h [B, L, K] (the embeddings, at most kMaxRows rows); weights: each layer's layer_inputs()
-// arrays in that order (evaluated first where they are not); eps: each layer's (input,
-// post-attention) norm eps; positions int32 [1] / [B] (each row's first new position);
-// mask_kind '', 'causal' or 'array' (a bool mask [B or 1, 1, L, T]); keep: layers whose outputs
-// come back. -> {the last layer's output, the kept layers', the KV buffers written (2 a layer)}:
-// one op. A buffer the op alone holds is written in place (donated), else copied first.
-std::vector<mx::array> decoder_stack(const mx::array& h, const std::vector<mx::array>& weights,
-                                     const std::vector<float>& eps, const mx::array& positions,
-                                     const mx::array& inv_freq, const StackShape& shape, const StackKV& kv,
+// A stack's constants, checked and evaluated once (the Python stack makes one each time it reads
+// its weights): a forward then hands over this, not ~270 arrays that each call would convert,
+// check and copy, cold after the step's weight stream (~0.1-0.2 ms a width-1 step).
+// weights: each layer's layer_inputs() arrays in that order; eps: each layer's (input,
+// post-attention) norm eps.
+struct StackWeights {
+  StackShape shape;
+  std::vector<mx::array> weights;
+  std::vector<float> eps;
+  int layers, K, D;  // layers, the hidden size, a head's size
+};
+std::shared_ptr<const StackWeights> stack_weights(std::vector<mx::array> weights, std::vector<float> eps,
+                                                  const StackShape& shape);
+
+// h [B, L, K] (the embeddings, at most kMaxRows rows); positions int32 [1] / [B] (each row's first
+// new position); mask_kind '', 'causal' or 'array' (a bool mask [B or 1, 1, L, T]); keep: layers
+// whose outputs come back. -> {the last layer's output, the kept layers', the KV buffers written
+// (2 a layer)}: one op. A buffer the op alone holds is written in place (donated), else copied first.
+std::vector<mx::array> decoder_stack(const mx::array& h, const std::shared_ptr<const StackWeights>& w,
+                                     const mx::array& positions, const mx::array& inv_freq, const StackKV& kv,
                                      const std::string& mask_kind, const mx::array& mask,
                                      const std::vector<int>& keep);
 
 class DecoderStack : public mx::Primitive {
  public:
-  DecoderStack(mx::Stream stream, StackShape shape, std::vector<mx::array> weights, std::vector<float> eps,
-               std::vector<int> keep, bool causal, bool masked, bool paged, int start)
-      : mx::Primitive(stream), shape_(shape), weights_(std::move(weights)), eps_(std::move(eps)),
-        keep_(std::move(keep)), causal_(causal), masked_(masked), paged_(paged), start_(start) {}
+  DecoderStack(mx::Stream stream, std::shared_ptr<const StackWeights> w, std::vector<int> keep, bool causal,
+               bool masked, bool paged, int start)
+      : mx::Primitive(stream), w_(std::move(w)), keep_(std::move(keep)), causal_(causal), masked_(masked),
+        paged_(paged), start_(start) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "SpecbatchDecoderStack"; }
@@ -63,9 +75,7 @@ class DecoderStack : public mx::Primitive {
 
  private:
   void run(const std::vector<mx::array>& inputs, const std::vector<float*>& ys) const;
-  StackShape shape_;
-  std::vector<mx::array> weights_;  // evaluated constants, held here rather than as inputs
-  std::vector<float> eps_;
+  std::shared_ptr<const StackWeights> w_;  // evaluated constants, held here rather than as inputs
   std::vector<int> keep_;
   bool causal_, masked_, paged_;  // inputs: h, positions, inv_freq, [the slots], [the mask], the buffers
   int start_;  // dense: the new tokens' first column
