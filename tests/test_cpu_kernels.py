@@ -60,7 +60,7 @@ def test_a_host_window_narrows_the_pool_until_closed_or_past_its_deadline():
         pytest.skip("one kernel thread: no core to leave")
     host_window.open_host_window()
     assert ext.threads() == threads - 1
-    host_window.open_host_window()  # already open: stays as it is
+    host_window.open_host_window()  # opened again: one thread fewer than the whole, not two
     assert ext.threads() == threads - 1
     host_window.close_host_window()
     assert ext.threads() == threads

@@ -23,7 +23,10 @@ def open_host_window() -> None:
     """Kernels evaluated from now on (the successor in flight) leave one core to this thread,
     until ``close_host_window`` or ``HOST_WINDOW_US`` microseconds."""
     ext = _active()
-    if ext is not None and ext.threads() > 1:
+    if ext is None:
+        return
+    ext.pool_cap(0)  # the pool's whole size, whatever cap was set before
+    if ext.threads() > 1:
         ext.pool_cap(ext.threads() - 1, HOST_WINDOW_US)
 
 
