@@ -7,15 +7,12 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-import time
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specbatch.kernels import cpu
 from specbatch.kernels.cpu.modules import FastEmbedding, FastLinear, use_cpu_kernels
-from specbatch.kernels.cpu import host_window
 
 needs_kernels = pytest.mark.skipif(not cpu.status().active, reason=f"CPU kernels inactive: {cpu.status().why}")
 
@@ -48,28 +45,6 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(rows, k, n, seed):
     for r in {0, rows // 2, rows - 1}:
         assert mx.array_equal(linear(x[r:r + 1], w)[0], together[r]).item()
         assert mx.array_equal(linear(x[: r + 1], w)[r], together[r]).item()
-
-
-@needs_kernels
-def test_a_host_window_narrows_the_pool_until_closed_or_past_its_deadline():
-    """The pipelined plain round's window: one thread fewer until closed, and never past its
-    bound (a window nothing closes ends by itself; the check waits past it, so no race)."""
-    ext = cpu.extension()
-    threads = ext.threads()
-    if threads < 2:
-        pytest.skip("one kernel thread: no core to leave")
-    host_window.open_host_window()
-    assert ext.threads() == threads - 1
-    host_window.open_host_window()  # opened again: one thread fewer than the whole, not two
-    assert ext.threads() == threads - 1
-    host_window.close_host_window()
-    assert ext.threads() == threads
-    ext.pool_cap(threads - 1, 1)  # a 1 us window
-    start = time.perf_counter()
-    while time.perf_counter() - start < 0.002:
-        pass
-    assert ext.threads() == threads  # expired: every thread, without a close
-    ext.pool_cap(0)
 
 
 @needs_kernels

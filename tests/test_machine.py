@@ -345,29 +345,6 @@ def test_plain_rounds_dispatch_a_successor_only_where_the_host_has_a_core(tiny, 
         assert [run.tokens[i] for i in ids] == plain_streams(tiny, [(LONG, greedy(12)), ("def g(y):", greedy(12))])
 
 
-@pytest.mark.parametrize(("width", "ahead"), [(2, True), (4, True), (6, False)])
-def test_a_host_window_pipelines_only_narrow_batches(tiny, width, ahead):
-    """With no spare core the batch loop pipelines through the host window (its successor on one
-    thread fewer while the host works) only up to ``HOST_WINDOW_WIDTH`` rows (wider, the
-    pipelined rounds measured slower); every thread is back once the loop waits, and the
-    streams are the plain ones either way."""
-    from specbatch.kernels import cpu
-
-    prompts = [LONG, "def g(y):", "x = 1", "import os", "class A:", "for i in range(3):"][:width]
-    ext = cpu.extension()
-    full = ext.threads() if ext is not None else 1
-    with new_core(tiny, None, EngineConfig(speculation=False)) as core:
-        core.kernels.spare_core = core.kernels.narrow_host = True
-        run = Run()
-        ids = [core.add(p, greedy(10)) for p in prompts]
-        for _ in range(3):
-            step(core, run)
-        assert core.scheduler.batch.width == width and core.scheduler.batch.settled is not ahead
-        run, _ = drive(core, run=run)
-        assert ext is None or ext.threads() == full  # the last round waited with every thread
-        assert [run.tokens[i] for i in ids] == plain_streams(tiny, [(p, greedy(10)) for p in prompts])
-
-
 def test_a_spare_core_is_one_the_kernel_threads_leave(monkeypatch):
     """On the CPU the host has a core of its own only where the kernels' threads number fewer than
     the process's cores; with the kernels off, MLX's ops and the BLAS take every core."""

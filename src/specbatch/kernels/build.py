@@ -60,18 +60,6 @@ def spare_core() -> bool:
     return ext is not None and ext.threads() < len(os.sched_getaffinity(0))
 
 
-def host_window() -> bool:
-    """Whether, with no core spare, a pipelined plain round can free one for its host work: the
-    CPU kernels narrow the successor to one thread fewer while the host emits the round's tokens
-    and builds the next graph (``cpu.host_window``). Two-core Zen 4, width-1 plain decode
-    on held-out chat, toggled in one process (24 prompt pairs): 0.936x the time unpipelined
-    (IQR 0.914-0.988); pipelined without the window 1.019x."""
-    if mx.default_device().type != mx.DeviceType.cpu:
-        return False
-    ext = cpu.extension()
-    return ext is not None and ext.threads() > 1
-
-
 @attrs.define
 class LoopKernels:
     """``scheduler.Kernels`` over a real target (and drafter source)."""
@@ -84,10 +72,7 @@ class LoopKernels:
     prompt_cache: PromptCache = attrs.field(factory=PromptCache)
     token_bytes: int = 0
     chunks: ChunkedPrefill | None = None  # long arrivals prefilled between rounds (None: built here)
-    # plain rounds pipeline where the config leaves it to us: on a spare core, or on one the host
-    # window frees (``narrow_host``: the batch loop opens it)
-    narrow_host: bool = attrs.field(factory=lambda: not spare_core() and host_window())
-    spare_core: bool = attrs.field(factory=lambda: spare_core() or host_window())
+    spare_core: bool = attrs.field(factory=spare_core)  # plain rounds pipeline where the config leaves it to us
 
     def __attrs_post_init__(self):
         if self.chunks is None:
@@ -122,7 +107,7 @@ class LoopKernels:
     def batch(self, speculative: bool) -> BatchLoop:
         drafter = self._drafter(batch=True) if speculative else None
         loop = BatchLoop(self.runner, drafter, self.config.verify, self._layout())
-        loop.retire, loop.narrow_host = self.prompt_cache.retire, self.narrow_host
+        loop.retire = self.prompt_cache.retire
         return loop
 
     def admit(self, loop: BatchLoop, requests: list[Request]) -> RoundOutput:

@@ -91,9 +91,8 @@ class Kernels(Protocol):
     speculative: bool  # a drafter exists and speculation is on
     token_bytes: int  # target KV bytes per token (0: unknown), for the KV budget
     drafter_name: str | None
-    # the host thread builds graphs on a core the compute leaves free (a GPU computes, the CPU
-    # kernels' threads leave one, or they narrow to leave one while it works): only there does a
-    # plain round gain by dispatching its successor
+    # the host thread builds graphs on a core the compute leaves free (a GPU computes, or the
+    # CPU kernels' threads leave one): only there does a plain round gain by dispatching its successor
     spare_core: bool
 
     def scalar(self, request: Request) -> tuple[ScalarRounds, RoundOutput]:

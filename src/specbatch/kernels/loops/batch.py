@@ -29,7 +29,6 @@ from ...runtime.output import RoundOutput
 from ...runtime.policy import Decision
 from ...runtime.request import Request
 from ..drafters.base import Capture
-from ..cpu.host_window import HOST_WINDOW_WIDTH, close_host_window, open_host_window
 from ..kv import BatchKV
 from ..logprobs import gather, read, sample_read
 from ..paged_kv import KVLayout
@@ -55,7 +54,6 @@ class BatchLoop:
         self.target, self.drafter, self.verify = target, drafter, verify
         self.armed = False  # the drafter holds one row per loop row
         self.retire = None  # callable(tokens, single caches): the prompt cache's intake
-        self.narrow_host = False  # a dispatched successor leaves a core to the host's work (cpu.host_window)
         self.rows: list[Row] = []
         self.kv = layout.empty(target.n_layers)
         self._lookahead: tuple | None = None  # lazy (tokens [B, 1], LazyLogprobs | None) of a dispatched forward
@@ -200,25 +198,19 @@ class BatchLoop:
         return sampled, gather(logits, sampled, rows.logprobs)
 
     def plain_round(self, successor: bool = True) -> RoundOutput:
-        """One token per live row; with ``successor``, the next round is dispatched before this
-        one's tokens are read (under ``narrow_host``, only up to ``HOST_WINDOW_WIDTH`` rows, and
-        it computes on one thread fewer while the host works)."""
+        """One token per live row."""
         if self._lookahead is None:
             pending = mx.array([r.pending for r in self.rows], dtype=mx.int32)
             self._lookahead = self._dispatch(pending, 0)
         current = self._lookahead
         live = not any(r.request.finished or r.request.cancel_requested for r in self.rows)
-        if successor and live and (not self.narrow_host or self.width <= HOST_WINDOW_WIDTH):
+        if successor and live:
             tokens, lazy = self._lookahead = self._dispatch(current[0][:, 0], 1)
             mx.async_eval(tokens, *(lazy.arrays() if lazy else ()))
         else:
             self._lookahead = None
         out = RoundOutput(round=True)
-        if self.narrow_host:
-            close_host_window()  # every thread for the wait
         toks, lps = read(*current)
-        if self.narrow_host and self._lookahead is not None:
-            open_host_window()  # the successor on one core while the emits and the next build run on the other
         for row, [token], lp in zip(self.rows, toks, lps):
             if row.request.finished:
                 continue  # its successor slot is discarded at the next settle

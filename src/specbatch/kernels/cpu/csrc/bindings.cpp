@@ -123,9 +123,8 @@ NB_MODULE(_ext, m) {
         nb::arg("positions"),
         "tokens [B, N]: argmax of logits / max(T, 1e-6) + the keyed Gumbel noise (T = 0: of the logits), one op");
   m.def("isa", [] { return specbatch::isa_name(specbatch::detect_isa()); });
-  m.def("pool_cap", &specbatch::Pool::cap, nb::arg("threads"), nb::arg("for_us") = 0,
-        "split the kernels evaluated from now on over at most `threads` threads (0: all), until the next call "
-        "or, with for_us, for that many microseconds");
+  m.def("pool_cap", &specbatch::Pool::cap, nb::arg("threads"),
+        "split the kernels evaluated from now on over at most `threads` threads (0: all)");
   m.def("blocks_register", &specbatch::blocks_register, nb::arg("weight"), nb::arg("q"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("bits"),
         "read a matrix's affine 4- or 8-bit blocks for every row count, where they rebuild its values "

@@ -94,7 +94,7 @@ void Pool::work(int id) {
     // a worker the cap leaves out (a draft computing on one core while its caller builds the
     // verify) gets no part, so it sleeps at once and leaves its core to the builder
     const auto spin = std::chrono::microseconds(spin_us_.load(std::memory_order_relaxed));
-    auto wanted = [&] { const int c = capped(); return c <= 0 || id < c; };
+    auto wanted = [&] { const int c = cap_.load(std::memory_order_relaxed); return c <= 0 || id < c; };
     // one pause a check (~25 ns here) and the clock every 256 (at once first: spin 0 never
     // spins), so a run's start is seen within ~0.1 us; 32 pauses a check cost ~0.7 us a pass
     // (an empty pass 1.06 vs 0.38 us; ~1.5% of a width-1 step, ~140 passes)

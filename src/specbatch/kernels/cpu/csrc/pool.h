@@ -5,7 +5,6 @@
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <condition_variable>
 #include <functional>
@@ -21,18 +20,13 @@ class Pool {
   ~Pool();
   // The threads a kernel splits over: every one, or fewer while cap() is set.
   int size() const {
-    const int n = static_cast<int>(workers_.size()) + 1, c = capped();
+    const int n = static_cast<int>(workers_.size()) + 1, c = cap_.load(std::memory_order_relaxed);
     return c > 0 && c < n ? c : n;
   }
-  // Kernels evaluated from now on split over at most `threads` (0: all), until the next call or,
-  // with `for_us`, until that many microseconds have passed: a graph computing on one core while
-  // the caller builds the next (or does a round's host work) on the other. A window that is
-  // never closed costs the kernels after it at most `for_us` on one core. The sums never depend
-  // on it (each output is one thread's whole).
-  static void cap(int threads, int for_us = 0) {
-    until_us_.store(for_us > 0 ? now_us() + for_us : 0, std::memory_order_relaxed);
-    cap_.store(threads, std::memory_order_relaxed);
-  }
+  // Kernels evaluated from now on split over at most `threads` (0: all), until the next call:
+  // a small graph computing on one core while the caller builds the next on the other. The
+  // sums never depend on it (each output is one thread's whole).
+  static void cap(int threads) { cap_.store(threads, std::memory_order_relaxed); }
   // How long an idle worker spins before it sleeps (microseconds; 2,000 by default).
   static void spin(int us) { spin_us_.store(us, std::memory_order_relaxed); }
   // Each pool thread on a core of its own (the caller, MLX's stream thread, on the first CPU
@@ -66,19 +60,7 @@ class Pool {
   std::atomic<int> pending_{0};
   std::atomic<int> sleeping_{0};
   bool stop_ = false;
-  // The cap in force: 0 where none is set or its window has passed (the clock read only then).
-  static int capped() {
-    const int c = cap_.load(std::memory_order_relaxed);
-    if (c <= 0) return 0;
-    const int64_t until = until_us_.load(std::memory_order_relaxed);
-    return until != 0 && now_us() > until ? 0 : c;
-  }
-  static int64_t now_us() {
-    return std::chrono::duration_cast<std::chrono::microseconds>(
-               std::chrono::steady_clock::now().time_since_epoch()).count();
-  }
   static inline std::atomic<int> cap_{0};
-  static inline std::atomic<int64_t> until_us_{0};
   static inline std::atomic<int> spin_us_{2000};
 };
 
