@@ -98,22 +98,26 @@ class Engine:
         """Queue several requests as one arrival: the next step admits them together."""
         return self._enqueue(*[self.prepare(p, params) for p in prompts])  # all valid, or none queued
 
-    def _enqueue(self, *requests: Request, attach: asyncio.AbstractEventLoop | None = None) -> list[RequestHandle]:
-        """Queue ``requests`` as one arrival; ``attach``: give each handle a listener on
-        that event loop first."""
+    def _enqueue(self, *requests: Request) -> list[RequestHandle]:
+        handles = self._handles_for(requests)
+        self._queue(requests)
+        return handles
+
+    def _handles_for(self, requests) -> list[RequestHandle]:
+        """New handles for ``requests``, known to the engine before they are queued."""
         if self.failure:
             raise EngineClosed(f"engine stopped: {self.failure}")
         handles = [RequestHandle(r.id, r.params.seed, len(r.prompt)) for r in requests]
-        if attach is not None:
-            for h in handles:
-                h._attach(attach)
         self._handles.update((h.request_id, h) for h in handles)
+        return handles
+
+    def _queue(self, requests) -> None:
+        """Hand ``requests`` to the engine thread as one arrival."""
         with self._lock:
             self._in_flight_to_queue += len(requests)
             self._in_flight_tokens += sum(len(r.prompt) for r in requests)
         self.core.submitted(len(requests))
         self._inbox.put(list(requests))
-        return handles
 
     def handle(self, request: Request | str) -> RequestHandle:
         """The handle of a queued request that has not finished yet."""
@@ -136,8 +140,9 @@ class Engine:
         loop = asyncio.get_running_loop()
         # listeners attach before the engine thread can see the requests: an event pushed
         # in between (a first token, under load) would reach no stream
-        handles = self._enqueue(*requests, attach=loop)
-        return [self._events(h, h.listener(loop)) for h in handles]
+        streams = [self._events(h, h._attach(loop)) for h in self._handles_for(requests)]
+        self._queue(requests)
+        return streams
 
     async def _events(self, handle: RequestHandle, events):
         try:

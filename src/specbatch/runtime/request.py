@@ -122,10 +122,6 @@ class RequestHandle:
         self._listeners.append((loop, aqueue))
         return aqueue
 
-    def listener(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
-        """The queue ``_attach`` made for ``loop``."""
-        return next(q for owner, q in self._listeners if owner is loop)
-
 
 @attrs.define(eq=False)
 class Request:
