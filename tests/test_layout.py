@@ -18,7 +18,7 @@ LAYERS = ("runtime", "kernels", "serving", "tools", "testing")
 # The machine and the data it reads: no MLX, no kernel (the chart tool and other servers'
 # schedulers load them without MLX).
 PURE = {"machine", "scheduler", "plan", "request", "output", "params", "schedule", "stats", "detok", "tree_shape",
-        "policy", "cost", "admission", "config", "moves"}
+        "policy", "book", "cost", "admission", "config", "moves"}
 # The composition root: it alone builds the engine (and its core) over the kernels.
 ROOT = "specbatch.kernels.build"
 

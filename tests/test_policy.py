@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from specbatch.kernels.calibration import SHIPPED, acceptance_by_position, derive_prior
 from specbatch.runtime.params import SamplingParams
-from specbatch.runtime.policy import (EWMA, PLAIN, RELAX, AcceptanceBook, CostModel, Decision, Prior, RowState, SpecPolicy,
+from specbatch.runtime.book import EWMA, RELAX, AcceptanceBook
+from specbatch.runtime.policy import (PLAIN, CostModel, Decision, Prior, RowState, SpecPolicy,
                                       to_prior)
 from specbatch.runtime.tree_shape import BatchTree, TreeShape
 

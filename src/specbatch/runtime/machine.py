@@ -29,7 +29,7 @@ from transitions import Machine
 
 from .moves import Moves, Step
 from .output import RoundOutput
-from .policy import AcceptanceBook
+from .book import AcceptanceBook
 from .scheduler import BatchRounds, Kernels, ScalarRounds
 
 log = structlog.get_logger(__name__)

@@ -6,10 +6,9 @@ given it accepted drafts 1..i-1 (conditional, per position); a chain of k then e
 ``1 + sum_i prod_{j<=i} a_j`` tokens per row and costs ``k`` drafter steps plus one target
 forward over ``rows x (k + 1)`` positions. The policy picks the candidate with the most
 expected emitted tokens per second; plain is one forward over ``rows x 1`` for one token a
-row. ``AcceptanceBook`` tracks acceptance online (an EWMA over recent rounds, starting
-from the calibration's prior, drifting back to it over plain rounds so that speculation
-is tried again); ``SpecPolicy.decide`` is pure: the same rows, the same
-decision. The draft length is decided here and nowhere else.
+row. The acceptance book (``book.py``) tracks acceptance online; ``SpecPolicy.decide`` is
+pure: the same rows, the same decision. The draft length is decided here and nowhere else,
+a lone row's prompt-lookup drafts' too (``Decision.lookup``).
 """
 
 from __future__ import annotations
@@ -21,15 +20,16 @@ import attrs
 from .cost import CostModel
 from .tree_shape import BatchTree, TreeShape
 
-__all__ = ["CostModel", "Decision", "Prior", "RowState", "SpecPolicy", "AcceptanceBook", "PLAIN"]
+__all__ = ["CostModel", "Decision", "Prior", "RowState", "SpecPolicy", "PLAIN"]
 
 SIBLING = 0.5  # a sibling candidate accepts at this fraction of the one before it (the model of a tree)
 MARGIN = 0.02  # the better mode must beat the one the last round ran by this much to switch (unmodelled overheads)
 PRIOR_ACCEPTANCE = 0.6  # per position, where no calibration says otherwise
-# Weight of the latest round in a row's acceptance: 0.3 swung a 0.3-accepting row to plain and back;
-# at 0.1, a width-1 row accepting ~0.37 fell to plain on runs of rejections (0.92-0.97 of always drafting).
-EWMA = 0.05
-RELAX = 0.1  # a plain round moves a row's acceptance this far back toward the prior
+# per position, a prompt-lookup draft after a suffix match of 4+ tokens, before a row's own
+# rounds say more: greedy and sampled (held-out code and chat answers, 4 drafts a round: 3.3-3.7
+# tokens a round at T = 0; code 3.3 at 0.7 and 2.9 at 1.0, chat 1.85 at 0.7, so each row
+# learns its own, quickly)
+LOOKUP_ACCEPTANCE, LOOKUP_SAMPLED = 0.75, 0.55
 
 
 def _bands(value) -> tuple[tuple[float, tuple[float, ...]], ...]:
@@ -68,6 +68,9 @@ class Decision:
 
     k: int = 0
     tree: TreeShape | None = None
+    # a lone row whose stream repeats itself drafts up to this many prompt-lookup tokens
+    # instead (kernels/drafters/lookup.py), whatever k says (0: never)
+    lookup: int = 0
 
     @property
     def plain(self) -> bool:
@@ -75,10 +78,11 @@ class Decision:
 
     def within(self, room: int) -> "Decision":
         """Cut to ``room`` drafts (a row's budget left after the bonus token)."""
+        lookup = min(self.lookup, max(room, 0))
         if room >= self.k:
-            return self
+            return self if lookup == self.lookup else attrs.evolve(self, lookup=lookup)
         shape = None if self.tree is None else self.tree.cut(max(room, 1))
-        return Decision(max(room, 0), None if shape is None or shape.is_chain or room < 1 else shape)
+        return Decision(max(room, 0), None if shape is None or shape.is_chain or room < 1 else shape, lookup)
 
 
 PLAIN = Decision()
@@ -90,9 +94,18 @@ class RowState:
 
     acceptance: tuple[float, ...] = attrs.field(converter=tuple)
     temperature: float = 0.0
+    lookup: tuple[float, ...] = attrs.field(default=(LOOKUP_ACCEPTANCE,), converter=tuple)  # prompt lookup's
 
     def at(self, position: int) -> float:
         return self.acceptance[min(position, len(self.acceptance)) - 1] if self.acceptance else 0.0
+
+    def looked_up(self) -> "RowState":
+        """This row as its prompt-lookup drafts accept."""
+        return RowState(self.lookup, self.temperature, self.lookup)
+
+
+def lookup_prior(temperature: float) -> float:
+    return LOOKUP_ACCEPTANCE if temperature == 0.0 else LOOKUP_SAMPLED
 
 
 def chain_tokens(row: RowState, k: int) -> float:
@@ -147,6 +160,7 @@ class SpecPolicy:
     tree_max_temperature: float | None = None
     batch_tree: BatchTree | None = None
     trees: bool = True
+    lookup_k: int = 0  # a lone row's prompt-lookup drafts a round (0: none)
 
     # -- the gate ---------------------------------------------------------------------
     def within_cap(self, width: int) -> bool:
@@ -167,6 +181,22 @@ class SpecPolicy:
         acceptance; keeping the mode measured level to 4% faster: width 4, 382 vs 366 tok/s)."""
         if not self.speculates([r.temperature for r in rows]):
             return PLAIN
+        decision = self._drafted(rows, previous)
+        lookup = self._lookup(rows, decision)
+        return attrs.evolve(decision, lookup=lookup) if lookup else decision
+
+    def _lookup(self, rows: Sequence[RowState], decision: Decision) -> int:
+        """How many prompt-lookup drafts a lone row's round takes where its stream repeats:
+        the most expected tokens a second at the row's lookup acceptance (no drafter steps),
+        if that beats the round decided; 0 otherwise."""
+        if not self.lookup_k or len(rows) != 1:
+            return 0
+        row, cost = rows[0].looked_up(), self.prior.cost
+        rates = {k: chain_tokens(row, k) / cost.lookup_s(k) for k in range(1, self.lookup_k + 1)}
+        best = max(rates, key=rates.__getitem__)
+        return best if rates[best] > self.rate(rows, decision) else 0
+
+    def _drafted(self, rows: Sequence[RowState], previous: Decision) -> Decision:
         tree = self._tree_for(rows)
         if self.fixed:
             return Decision(tree.depth, tree) if tree is not None else Decision(self.max_k)
@@ -209,48 +239,3 @@ class SpecPolicy:
         row = RowState(self.prior.acceptance)
         paying = [w for w in range(1, widest + 1) if not attrs.evolve(self, cap=0).decide([row] * w).plain]
         return max(paying, default=0)
-
-
-@attrs.define
-class AcceptanceBook:
-    """Each live row's acceptance by draft position: an EWMA over its recent rounds,
-    starting from the prior. Rows are keyed by request id and forgotten when they leave."""
-
-    prior: Prior = attrs.field(factory=Prior)
-    depth: int = 8
-    rates: dict = attrs.field(factory=dict)  # request id -> list of per-position rates
-
-    def row(self, request) -> RowState:
-        rates = self.rates.get(request.id)
-        if rates is None:
-            rates = [self.prior.at(i, request.params.temperature) for i in range(1, self.depth + 1)]
-        return RowState(rates, request.params.temperature)
-
-    def rows(self, requests) -> list[RowState]:
-        return [self.row(r) for r in requests]
-
-    def observe(self, requests, drafted: int, accepted: Sequence[int]) -> None:
-        """A verify round: each row accepted ``accepted[i]`` of ``drafted`` drafts. Positions
-        up to the accepted count saw an accept, the next one a reject, later ones nothing."""
-        for request, got in zip(requests, accepted):
-            rates = list(self.row(request).acceptance)
-            for position in range(1, min(drafted, self.depth) + 1):
-                if position > got + 1:
-                    break
-                seen = 1.0 if position <= got else 0.0
-                rates[position - 1] += EWMA * (seen - rates[position - 1])
-            self.rates[request.id] = rates
-
-    def relax(self, requests) -> None:
-        """A plain round: each row's acceptance drifts back toward the prior. A plain round
-        observes nothing, so without this a few rejections decided plain for the rest of a
-        stream (7 speculative rounds of 63 at width 1, where always drafting gained 1.23x)."""
-        for request in requests:
-            rates, t = self.rates.get(request.id), request.params.temperature
-            if rates is not None:
-                self.rates[request.id] = [r + RELAX * (self.prior.at(i, t) - r) for i, r in enumerate(rates, 1)]
-
-    def keep(self, requests) -> None:
-        """Forget rows no longer live."""
-        live = {r.id for r in requests}
-        self.rates = {i: v for i, v in self.rates.items() if i in live}
