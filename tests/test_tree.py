@@ -241,7 +241,7 @@ def test_tree_depth_raises_the_width1_draft_length_and_config_reads_the_tree():
     schedule = DraftSchedule([1, 4], [Band(0.0, [2, 1]), Band(0.7, [1, 0]), Band(1.0, [0, 0])])
     raised = with_tree_depth(schedule, TreeShape([2, 1, 1]), 0.7)
     assert [b.k for b in raised.bands] == [(3, 1), (3, 0), (0, 0)]
-    config = EngineConfig(tree_shape="2,1,1", tree_max_temperature=0.7, fixed_draft=True)
+    config = EngineConfig(tree_shape="2,1,1", tree_max_temperature=0.7, fixed_draft=True, prompt_lookup=0)
     assert config.drafts.tree_shape == TreeShape([2, 1, 1]) and EngineConfig(tree_shape="1,1").drafts.tree_shape is None
     hot, cold = (config.policy().decide([RowState((0.5,), t)]) for t in (0.9, 0.7))
     assert hot == Decision(4) and cold == Decision(3, TreeShape([2, 1, 1]))

@@ -90,7 +90,8 @@ class LoopKernels:
         return self.drafter_factory(self.drafter, self.runner, batch)
 
     def scalar(self, request: Request) -> tuple[ScalarLoop, RoundOutput]:
-        loop = ScalarLoop(self.runner, self._drafter(batch=False), request, self.config.verify, self._layout())
+        loop = ScalarLoop(self.runner, self._drafter(batch=False), request, self.config.verify, self._layout(),
+                          self.config.drafts.prompt_lookup)
         partial, reused = self.chunks.take(request), 0
         if partial is not None:  # (some of) its prompt was prefilled between rounds
             out = loop.start(partial.cache, partial.logits, partial.hidden)

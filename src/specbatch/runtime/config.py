@@ -86,6 +86,11 @@ class Drafts:
     # the tree batches of 2 or more draft per row, and up to which width (None: chains);
     # calibrated per pair where a tree beat the chain at that width
     batch_tree: BatchTree | None = attrs.field(default=None, converter=BatchTree.of)
+    # a lone stream whose last this-many tokens occurred before drafts what followed them
+    # there (prompt lookup, up to lookup_k tokens) where the policy expects it to pay, instead
+    # of asking the MTP head (0: never; drafters keeping drafted state never do)
+    prompt_lookup: int = attrs.field(default=4, validator=attrs.validators.ge(0))
+    lookup_k: int = attrs.field(default=4, validator=_positive)
 
 
 @attrs.frozen(kw_only=True)
@@ -157,7 +162,7 @@ class EngineConfig:
         return SpecPolicy(prior=d.prior, max_k=self.num_draft_tokens, speculation=self.speculation,
                           fixed=d.fixed_draft, cap=self.speculative_width_cap, max_temperature=d.max_spec_temperature,
                           tree=d.tree_shape, tree_max_temperature=d.tree_max_temperature, batch_tree=d.batch_tree,
-                          trees=self.verify == "coupled")
+                          trees=self.verify == "coupled", lookup_k=d.lookup_k if d.prompt_lookup else 0)
 
 
 def env_cap() -> int | None:

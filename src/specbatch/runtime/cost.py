@@ -78,6 +78,10 @@ class CostModel:
         """A chain of ``k``: k drafter steps, one forward over ``k + 1`` positions a row."""
         return self.round_seconds(rows, k)
 
+    def lookup_s(self, k: int) -> float:
+        """A lone row's round of ``k`` prompt-lookup drafts: a chain's, less its drafter steps."""
+        return self.chain_s(1, k) - k * self.draft_s(1)
+
     def round_seconds(self, rows: int, k: int) -> float:
         """A round of ``rows`` and ``k`` drafts (0: plain): as calibrate timed it decoding alone
         where it did (``rounds``; linear between timed widths), and elsewhere the model

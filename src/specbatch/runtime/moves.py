@@ -129,8 +129,8 @@ class Moves:
         return decision
 
     def _observe(self, requests, out: RoundOutput) -> RoundOutput:
-        if out.verify is not None:  # a verify round updates its rows' acceptance
-            self.book.observe(out.verified, out.verify.drafted, out.verify.accepted)
+        if out.verify is not None:  # a verify round updates its rows' acceptance (a lookup round, their lookups')
+            self.book.observe(out.verified, out.verify.drafted, out.verify.accepted, lookup=out.verify.lookup)
         else:  # decided plain: the rows drift back toward the prior, to be tried again
             self.book.relax(requests)
         return out

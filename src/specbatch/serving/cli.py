@@ -23,6 +23,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-shape", default=None,
                    help="token tree a lone request drafts, branching per depth, e.g. 2,1,1, or a dynamic "
                         "one bounded by it, e.g. 3,2,1@0.1 ('chain': chains; default: the calibrated shape, else chains)")
+    p.add_argument("--prompt-lookup", type=int, default=None,
+                   help="a lone stream whose last N tokens occurred before drafts what followed them where the "
+                        "policy expects it to pay, beside the MTP head (default 4; 0: never)")
     p.add_argument("--dtype", default=None,
                    help="float32 | float16 | bfloat16 | quantized (keep a checkpoint's quantized weights) | auto "
                         "(fp32 on CPU, the checkpoint's own on a GPU)")
@@ -59,7 +62,8 @@ def _engine(args, **options):
                    **({"kv_bits": args.kv_bits} if args.kv_bits else {}),
                    **({"kv_layout": args.kv_layout} if args.kv_layout else {}),
                    prefill_chunk=args.prefill_chunk, chunked_prefill=args.chunked_prefill,
-                   **({"tree_shape": args.tree_shape} if getattr(args, "tree_shape", None) else {}))
+                   **({"tree_shape": args.tree_shape} if getattr(args, "tree_shape", None) else {}),
+                   **({"prompt_lookup": args.prompt_lookup} if getattr(args, "prompt_lookup", None) is not None else {}))
     if not getattr(args, "distributed", False):
         return from_pretrained(args.model, args.draft_model, **options)
     from .dist import sharded_engine

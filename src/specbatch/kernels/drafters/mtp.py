@@ -148,6 +148,9 @@ class MTPDrafter:
     # builds made the round wait on that core (Intel AVX-512, engine_compare: 1.03-1.05x plain
     # against 1.10-1.11x drafting on both; on the EPYC, with a 1.9 ms build, it had won 5%)
     draft_on_one_core = False
+    # between rounds it holds the target's hidden state only, so a prompt-lookup round may
+    # draft in its place (drafters/lookup.py)
+    target_state_only = True
 
     def __init__(self, head: MTPHead, runner):
         self.head, self.runner = head, runner

@@ -26,6 +26,7 @@ from ..kv import BatchKV
 from ..logprobs import sample_read
 from ..paged_kv import KVLayout, PagedKV
 from ..runner import TargetRunner
+from ..drafters.lookup import History, Proposed
 from ..sampling import RowSampling, positions_from
 from ..single_kv import SingleKV
 from .round import advance, first_token, follow_plain, speculate
@@ -54,9 +55,13 @@ class ScalarLoop:
     """One request; speculative rounds with coupled drafting (or plain without a drafter)."""
 
     def __init__(self, target: TargetRunner, drafter, request: Request, verify: str = "coupled",
-                 layout: KVLayout = KVLayout()):
+                 layout: KVLayout = KVLayout(), lookup_match: int = 0):
         self.target, self.drafter, self.request, self.verify = target, drafter, request, verify
         self.layout = layout
+        # where the stream's last lookup_match tokens occurred before, a round the policy
+        # allows drafts what followed them (a drafter whose state is the target's only)
+        usable = lookup_match > 0 and getattr(drafter, "target_state_only", False)
+        self.lookup_match, self.history = (lookup_match, History(request.prompt)) if usable else (0, None)
         self.kv: SingleKV | PagedKV = SingleKV(target.make_cache())
         self._buffer: collections.deque[tuple] = collections.deque()  # (token, TokenLogprob | None)
         self._rows = RowSampling.of([request.params], [request.tokens])
@@ -122,15 +127,28 @@ class ScalarLoop:
                 "drafter_kv_bytes": self.drafter.nbytes() if self.drafter else 0}
 
     def _round(self, decision: Decision) -> None:
-        if self.drafter is None or decision.plain:
+        drafter, proposal = self.drafter, self._proposal(decision.lookup)
+        if proposal:
+            drafter, decision = Proposed(self.drafter, proposal, self.target.vocab_size), Decision(len(proposal))
+        elif self.drafter is None or decision.plain:
             self._plain()
             return
-        result = speculate(self.target, self.kv, self.drafter, [self.pending], [self.prev], self._rows,
+        result = speculate(self.target, self.kv, drafter, [self.pending], [self.prev], self._rows,
                            [self.request.emitted], decision, self.verify, coupled=True)
+        if proposal:
+            result = attrs.evolve(result, lookup=True)
         run = result.emitted[0]
         self.prev, self.pending = advance(self.prev, self.pending, run)
         self._buffer.extend(zip(run, result.row_logprobs(0)))
         self.last_round = result
+
+    def _proposal(self, most: int) -> list[int]:
+        """Up to ``most`` lookup drafts for this round (the stream so far ends with the pending
+        token, every earlier round's tokens having gone out); empty where it has none."""
+        if self.history is None or most < 1:
+            return []
+        self.history.sync(self.request.tokens, len(self.request.prompt))
+        return self.history.proposal(self.lookup_match, most)
 
     def _plain(self) -> None:
         logits = self.target.forward(mx.array([[self.pending]], dtype=mx.int32), self.cache)

@@ -40,6 +40,7 @@ class RoundResult:
     accepted: list[int]
     drafted: int
     logprobs: list[list[TokenLogprob] | None] = attrs.field(factory=list)  # per row, as emitted; None: not asked
+    lookup: bool = False  # drafted by prompt lookup (drafters/lookup.py), not by the drafter the policy prices
 
     def row_logprobs(self, i: int) -> list:
         """Row ``i``'s logprobs parallel to its emitted run (Nones where it did not ask)."""
