@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=4, help="held-out chat prompts")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperatures", default="0", help="comma-separated; seeded, so streams must match")
+    ap.add_argument("--prompt-lookup", type=int, default=0,
+                    help="the drafter's rounds only (0), or prompt lookup beside it after this many matching tokens")
     ap.add_argument("--tree", default="chain", help="the width-1 tree (e.g. 2,1,1,1@0.2); chain: k-long chains")
     ap.add_argument("--kv-layout", default=None, choices=["dense", "paged"],
                     help="the plain engine's batch KV (a lone plain request decodes in the batch loop)")
@@ -86,7 +88,8 @@ def main() -> None:
     with from_pretrained(speculation=False, **layout) as plain, \
             from_pretrained(draft_model=args.draft_model, drafter=args.drafter, num_draft_tokens=args.k,
                                    speculative_width_cap=1, max_spec_temperature=None,
-                                   fixed_draft=True, tree_shape=args.tree, tree_max_temperature=None) as spec:
+                                   fixed_draft=True, tree_shape=args.tree, tree_max_temperature=None,
+                                   prompt_lookup=args.prompt_lookup) as spec:
         for engine in (plain, spec):
             one(engine, prompts[0], 8, 0.0, 0)  # warm-up
         for temperature in (float(x) for x in args.temperatures.split(",")):

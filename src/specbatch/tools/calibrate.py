@@ -46,8 +46,9 @@ def measure_schedule(ctx, prompts, args) -> tuple[DraftSchedule, dict]:
     widths = [int(w) for w in args.widths.split(",")]
     ks = [int(k) for k in args.draft_lengths.split(",")]
     cores = {0: ctx.core(speculation=False)}
-    cores.update({k: ctx.core(speculative_width_cap=0, num_draft_tokens=k, fixed_draft=True, max_spec_temperature=None)
-                  for k in ks})
+    # the drafter's own rounds: prompt lookup would draft some of them and skew their prices
+    cores.update({k: ctx.core(speculative_width_cap=0, num_draft_tokens=k, fixed_draft=True, max_spec_temperature=None,
+                              prompt_lookup=0) for k in ks})
     bands, table, decode, cell_acceptance = [], {}, {}, {}
     for t in TEMPERATURES:
         row, losing = [], 0

@@ -221,9 +221,9 @@ class Context:
 
     def always(self, **more) -> dict:
         """Overrides for an engine that speculates with chains of ``k`` whatever the
-        calibration says (no schedule, no temperature limit, no trees)."""
+        calibration says (no schedule, no temperature limit, no trees, no prompt lookup)."""
         return {"max_spec_temperature": None, "fixed_draft": True, "num_draft_tokens": self.k,
-                "tree_shape": None, "batch_tree": None, **more}
+                "tree_shape": None, "batch_tree": None, "prompt_lookup": 0, **more}
 
     def close(self) -> None:
         for engine in self._engines:

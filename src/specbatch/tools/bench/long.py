@@ -105,7 +105,7 @@ def solo_ttft(engine, prompt) -> float:
 
 def _setups(ctx) -> dict:
     """State name -> (live streams, engine overrides)."""
-    forced = dict(max_spec_temperature=None, fixed_draft=True)  # speculate whatever the calibration says
+    forced = dict(max_spec_temperature=None, fixed_draft=True, prompt_lookup=0)  # speculate whatever the calibration says
     setups = {"Gated": (2, dict(speculation=False))}
     if ctx.drafter is not None:
         setups = {"Scalar": (1, dict(speculative_width_cap=1, **forced)),

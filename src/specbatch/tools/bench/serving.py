@@ -197,7 +197,7 @@ def suite_drafters(ctx) -> dict:
     rows = []
     for name, drafter in drafters.items():
         forced = attrs.evolve(ctx.config, speculative_width_cap=0, prompt_cache_bytes=0, fixed_draft=True,
-                              max_spec_temperature=None)  # each drafter speculating, calibrated or not
+                              max_spec_temperature=None, prompt_lookup=0)  # each drafter speculating, calibrated or not
         engines = {w: new_engine(ctx.target, drafter, forced)
                    for w in (1, 4)}
         for width, engine in engines.items():

@@ -38,7 +38,7 @@ def tree_config(config, shape: TreeShape | None, k: int):
     batch_tree = None if shape is None else BatchTree(shape, max_width=64)
     return attrs.evolve(config, speculation=True, speculative_width_cap=0, num_draft_tokens=depth,
                         tree_shape=shape, batch_tree=batch_tree, fixed_draft=True,
-                        max_spec_temperature=None, prompt_cache_bytes=0)
+                        max_spec_temperature=None, prompt_cache_bytes=0, prompt_lookup=0)
 
 
 def systems(target, drafter, config, k: int, shapes) -> dict:
