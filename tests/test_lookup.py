@@ -9,12 +9,16 @@ import mlx.core as mx
 import pytest
 from helpers import make_request, run_plain
 
+from specbatch import SamplingParams
+from specbatch.kernels.build import new_core
 from specbatch.kernels.drafters.lookup import History, Proposed
 from specbatch.kernels.drafters.model import ModelDrafter
 from specbatch.kernels.drafters.mtp import MTPDrafter
 from specbatch.kernels.loops.scalar import ScalarLoop
 from specbatch.kernels.runner import ModelRunner
+from specbatch.runtime.config import EngineConfig
 from specbatch.runtime.cost import CostModel
+from specbatch.serving.http.metrics import render_metrics
 from specbatch.runtime.book import LOOKUP_EWMA, AcceptanceBook
 from specbatch.runtime.policy import Decision, Prior, RowState, SpecPolicy
 
@@ -131,3 +135,20 @@ def test_the_book_learns_each_rows_lookup_acceptance_apart_and_forgets_it_slowly
 
 def make_request_stub(rid: str):
     return types.SimpleNamespace(id=rid, params=types.SimpleNamespace(temperature=0.0))
+
+
+def test_the_engine_drafts_a_repeating_lone_stream_by_lookup_and_counts_it(tiny, mtp_head):
+    kw = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+    reference = run_plain(tiny, PROMPT, **kw)
+    for match, rounds in ((2, lambda n: n > 0), (0, lambda n: n == 0)):
+        with new_core(tiny, mtp_head, EngineConfig(prompt_lookup=match, speculative_width_cap=1)) as core:
+            core.add(PROMPT, SamplingParams(**kw))
+            tokens, done = [], False
+            while not done:
+                for event in core.step():
+                    tokens += event.token_ids
+                    done = done or event.finish_reason is not None
+            stats = core.stats()
+        assert tokens == reference and rounds(stats["lookup_rounds"])
+        assert 0.0 <= stats["lookup_acceptance_rate"] <= 1.0
+        assert ("specbatch_lookup_rounds_total " + str(stats["lookup_rounds"])) in render_metrics(stats)

@@ -40,6 +40,9 @@ class EngineStats:
     generated_tokens: int = 0
     rounds: int = 0
     spec_rounds: int = 0
+    lookup_rounds: int = 0  # of the spec rounds, those drafted by prompt lookup
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     spec_emitted: int = 0
@@ -63,6 +66,10 @@ class EngineStats:
         """One verify round (a ``RoundResult``) over ``requests``, row by row."""
         self.spec_rounds += 1
         self.spec_widths[len(requests)] += 1
+        if getattr(result, "lookup", False):
+            self.lookup_rounds += 1
+            self.lookup_drafted += result.drafted * len(requests)
+            self.lookup_accepted += sum(result.accepted)
         for request, accepted, run in zip(requests, result.accepted, result.emitted):
             self.drafted_tokens += result.drafted
             self.accepted_tokens += accepted
@@ -84,6 +91,8 @@ class EngineStats:
             "generated_tokens": self.generated_tokens,
             "rounds": self.rounds,
             "spec_rounds": self.spec_rounds,
+            "lookup_rounds": self.lookup_rounds,
+            "lookup_acceptance_rate": self.lookup_accepted / self.lookup_drafted if self.lookup_drafted else 0.0,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,

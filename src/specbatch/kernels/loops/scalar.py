@@ -22,11 +22,11 @@ import mlx.core as mx
 from ...runtime.output import RoundOutput
 from ...runtime.policy import PLAIN, Decision
 from ...runtime.request import Request
+from ..drafters.lookup import History, Proposed
 from ..kv import BatchKV
 from ..logprobs import sample_read
 from ..paged_kv import KVLayout, PagedKV
 from ..runner import TargetRunner
-from ..drafters.lookup import History, Proposed
 from ..sampling import RowSampling, positions_from
 from ..single_kv import SingleKV
 from .round import advance, first_token, follow_plain, speculate

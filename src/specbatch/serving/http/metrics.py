@@ -23,6 +23,7 @@ def render_metrics(stats: dict) -> str:
         ("specbatch_generated_tokens_total", "tokens emitted to finished requests", stats["generated_tokens"]),
         ("specbatch_rounds_total", "decode rounds", stats["rounds"]),
         ("specbatch_spec_rounds_total", "verify rounds", stats["spec_rounds"]),
+        ("specbatch_lookup_rounds_total", "verify rounds drafted by prompt lookup", stats.get("lookup_rounds", 0)),
         ("specbatch_drafted_tokens_total", "tokens drafted", stats["drafted_tokens"]),
         ("specbatch_accepted_tokens_total", "drafted tokens accepted", stats["accepted_tokens"]),
         ("specbatch_prompt_cache_hits_total", "prompt-cache hits", stats.get("prompt_cache_hits", 0)),
