@@ -24,6 +24,23 @@ def test_propose_continues_the_latest_match():
     assert propose(np.array([8, 8]), 3, 4, 1) == [8, 8, 8]
 
 
+def _latest_match_reference(seq: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+        starts = [i + n for i in range(len(seq) - n) if seq[i:i + n] == seq[-n:]]
+        if starts:
+            got = seq[starts[-1]:starts[-1] + k]
+            return got + [seq[-1]] * (k - len(got))
+    return [seq[-1]] * k
+
+
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=60), st.integers(1, 6), st.integers(1, 4))
+def test_propose_is_the_plain_search_over_whole_tokens(seq, k, max_n):
+    """The byte search (History.proposal) against a list search: ids above 255 put equal bytes
+    across token boundaries, which must never match."""
+    seq = [t if t < 256 else t * 257 for t in seq]
+    assert propose(seq, k, max_n, 1) == _latest_match_reference(seq, k, max_n, 1)
+
+
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 6))
 def test_proposals_are_k_tokens_seen_in_the_row(seq, k):
     got = propose(np.array(seq), k, 4, 1)

@@ -66,7 +66,7 @@ class EngineStats:
         """One verify round (a ``RoundResult``) over ``requests``, row by row."""
         self.spec_rounds += 1
         self.spec_widths[len(requests)] += 1
-        if getattr(result, "lookup", False):
+        if result.lookup:
             self.lookup_rounds += 1
             self.lookup_drafted += result.drafted * len(requests)
             self.lookup_accepted += sum(result.accepted)

@@ -17,6 +17,7 @@ import numpy as np
 
 from ...runtime.tree_shape import TreeLayout
 from .base import ANY_WIDTH, Capture, Chooser, DraftTree
+from .lookup import History
 
 
 @attrs.frozen
@@ -29,15 +30,13 @@ class NGramSource:
     name: str = "ngram"
 
 
-def propose(seq: np.ndarray, k: int, max_n: int, min_n: int) -> list[int]:
-    """The ``k`` tokens after the latest earlier match of ``seq``'s longest matching suffix."""
+def propose(seq, k: int, max_n: int, min_n: int) -> list[int]:
+    """The ``k`` tokens after the latest earlier match of ``seq``'s longest matching suffix
+    (the search the MTP head's lookup rounds use, ``History.proposal``), padded with the last."""
+    history = History(list(seq))
     for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
-        suffix = seq[-n:]
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # [len-n, n]
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n  # the token after the match
-            got = seq[start:start + k].tolist()
+        got = history.proposal(n, k)
+        if got:
             return got + [int(seq[-1])] * (k - len(got))
     return [int(seq[-1])] * k
 
@@ -100,7 +99,7 @@ class NGramDrafter:
         rows = []
         for fed, p, y in zip(self._fed, prev.tolist(), pending.tolist()):
             fed += [p, y]
-            rows.append(propose(np.asarray(fed), k, self.source.max_n, self.source.min_n))
+            rows.append(propose(fed, k, self.source.max_n, self.source.min_n))
             fed += rows[-1][:-1]  # the invariant: feeds [prev, pending, d_1 .. d_{k-1}]
         tokens = mx.array(rows, dtype=mx.int32)  # [B, k]
         logits = mx.where(mx.arange(self.source.vocab_size) == tokens[..., None], 0.0, -1e9)  # [B, k, V]
