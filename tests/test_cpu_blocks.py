@@ -270,6 +270,46 @@ def test_a_models_blocks_are_released_with_it(tmp_path):
     assert mx.get_active_memory() < held - weights * 9 // 10  # the resolved weights went with their blocks
 
 
+_PAGES = """
+import json, sys
+import mlx.core as mx
+sys.path.insert(0, {tests!r})
+from test_cpu_blocks import _blocks, ext
+w, qw, scales, biases = _blocks(1536, 576, 23, 4)
+read = ext.blocks_register(w, qw, scales, biases, 4)
+held = ext.blocks_pages()
+mx.save({out!r}, ext.small_linear(mx.random.normal((3, 576), key=mx.random.key(24)), w))
+ext.blocks_clear()
+print(json.dumps(dict(read=read, held=held, cleared=ext.blocks_pages())))
+"""
+
+
+@needs_blocks
+def test_the_records_lie_in_the_arena_on_the_pages_asked_for(tmp_path):
+    """The records live in huge-page chunks (arena.cpp) unless SPECBATCH_HUGE_PAGES=0, where the
+    kernel is told never to back them with huge pages; a chunk is unmapped with its last records,
+    and the pages never change a result's bits."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    runs = {}
+    for advice in ("1", "0"):
+        out = tmp_path / f"{advice}.npy"
+        script = _PAGES.format(tests=str(Path(__file__).parent), out=str(out))
+        done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "SPECBATCH_HUGE_PAGES": advice},
+                              check=True, timeout=120, capture_output=True, text=True)
+        runs[advice] = json.loads(done.stdout.strip().splitlines()[-1]), mx.load(str(out))
+    for advice, (pages, _) in runs.items():
+        assert pages["held"]["advised"] is (advice == "1")
+        assert pages["read"] <= pages["held"]["bytes"] < 2 * pages["read"]  # the records, padded to whole tiles
+        assert pages["held"]["huge_bytes"] % (2 << 20) == 0 and pages["held"]["huge_bytes"] <= 32 << 20
+        assert pages["cleared"]["bytes"] == 0 and pages["cleared"]["huge_bytes"] == 0
+    assert runs["0"][0]["held"]["huge_bytes"] == 0
+    assert mx.array_equal(runs["1"][1], runs["0"][1]).item()
+
+
 @needs_blocks
 def test_a_stack_reads_the_blocks_registered_at_each_call(tmp_path, monkeypatch):
     """The decoder stack keeps its weights resolved between calls (blocks included), never past a

@@ -6,7 +6,9 @@ against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
   decode rows read those, ``kernels.cpu.blocks``) over the read bandwidth a one-row sgemv probe reaches on
   a float32 stack of the same shapes (``bound_ms``), and over the bandwidth every kernel thread
   reaches at once streaming a 256 MB buffer with vector loads (``read_bound_ms``: the physical
-  limit; numpy's sgemv reached 15-21 GB/s on a Zen 4 VM where this read 27-35);
+  limit; numpy's sgemv reached 15-21 GB/s on a Zen 4 VM where this read 27-35 on 4 KB pages);
+  the buffer lies on the pages the blocks' records do (huge pages where the system grants them:
+  ``block_pages`` says how many of the records' bytes it did);
 - the compute bound: every weight times every token row (two FLOPs each) over the float32
   FMA peak all kernel threads reach at once (``fma_peak_gflops``); a shape's roofline is the
   larger of its bytes (the quantized blocks at every row count) over the read bandwidth and its
@@ -166,7 +168,7 @@ def suite_kernels(ctx) -> dict:
             "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
             "block_matrices": sum(1 for m in _modules(model) if reads_blocks(m)),
             "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "read_probe_gb_s": read, "read_bound_ms": read_bound_ms,
-            "fma_peak_gflops": peak, "rows": rows}
+            "fma_peak_gflops": peak, "block_pages": ext.blocks_pages() if ext is not None else None, "rows": rows}
 
 
 SUITES = {"kernels": suite_kernels}

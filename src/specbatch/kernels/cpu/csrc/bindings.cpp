@@ -3,6 +3,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "arena.h"
 #include "attention.h"
 #include "gemv.h"
 #include "linear.h"
@@ -134,6 +135,13 @@ NB_MODULE(_ext, m) {
         "reads, 0 where refused");
   m.def("blocks_forget", &specbatch::blocks_forget, nb::arg("weight"), "forget the blocks registered for `weight`");
   m.def("blocks_clear", &specbatch::blocks_clear, "forget every registered block set");
+  m.def("blocks_pages", [] {
+        const auto use = specbatch::arena_use();
+        nb::dict d;
+        d["bytes"] = use.bytes, d["huge_bytes"] = use.huge_bytes, d["advised"] = specbatch::arena_huge_pages();
+        return d;
+      },
+        "the blocks' records: bytes held, bytes the kernel backs with huge pages now, whether they were asked for");
   m.def("blocks_count", &specbatch::blocks_count, "how many matrices read their blocks");
   m.def("fma_peak_gflops", &specbatch::fma_peak_gflops, nb::arg("iters") = 20000000,
         "float32 GFLOPS of independent FMA chains on every pool thread at once (the compute roofline)");

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "arena.h"
 #include "linear.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
@@ -19,7 +20,7 @@ namespace walk = blocks_impl;
 
 struct Entry {
   mx::array weight;             // the registry's key: held, so its buffer never moves or frees
-  std::vector<uint8_t> packed;  // blocks_impl.h's records (below)
+  Span packed;  // blocks_impl.h's records (below), in the huge-page arena (arena.h)
   int bits;
 };
 
@@ -54,13 +55,13 @@ Place place(long n, int k, int K, int bits) {
 // The records of an N x K matrix: `value(n, k)` gives an element, `half(n, g, which)` the bits of
 // row n's group g scale (0) or bias (1).
 template <class Value, class Half>
-std::vector<uint8_t> pack(int N, int K, int bits, Value value, Half half) {
+Span pack(int N, int K, int bits, Value value, Half half) {
   const long groups = (N + walk::kTileRows - 1) / walk::kTileRows;
-  std::vector<uint8_t> out(static_cast<size_t>(groups) * (K / 32) * walk::record_bytes(bits), 0);
+  Span out = arena_take(static_cast<size_t>(groups) * (K / 32) * walk::record_bytes(bits));
   for (long n = 0; n < N; ++n)
     for (int k = 0; k < K; ++k) {
       const Place at = place(n, k, K, bits);
-      uint8_t* record = out.data() + at.record;
+      uint8_t* record = out.data + at.record;
       *reinterpret_cast<uint32_t*>(record + at.word) |= static_cast<uint32_t>(value(n, k)) << at.shift;
       if (k % 32 == 0) {
         auto* halves = reinterpret_cast<uint16_t*>(record + at.half);
@@ -77,17 +78,17 @@ int64_t read_bytes(int N, int K, int bits) {
 }
 
 // Element (n, k) and the scale (0) / bias (1) bits of row n's group g, read back out of records.
-int record_value(const std::vector<uint8_t>& packed, int K, int bits, long n, int k) {
+int record_value(const uint8_t* packed, int K, int bits, long n, int k) {
   const Place at = place(n, k, K, bits);
   uint32_t word;
-  std::memcpy(&word, packed.data() + at.record + at.word, 4);
+  std::memcpy(&word, packed + at.record + at.word, 4);
   return (word >> at.shift) & ((1u << bits) - 1);
 }
 
-uint16_t record_half(const std::vector<uint8_t>& packed, int K, int bits, long n, int g, int which) {
+uint16_t record_half(const uint8_t* packed, int K, int bits, long n, int g, int which) {
   const Place at = place(n, 32 * g, K, bits);
   uint16_t h;
-  std::memcpy(&h, packed.data() + at.record + at.half + which * walk::kSlab * 2, 2);
+  std::memcpy(&h, packed + at.record + at.half + which * walk::kSlab * 2, 2);
   return h;
 }
 
@@ -169,8 +170,8 @@ int64_t blocks_register_rows(const mx::array& rows, const mx::array& weight, con
     if (at[r] < 0 || at[r] >= N || std::memcmp(rows.data<uint8_t>() + r * row_bytes, weight.data<uint8_t>() + at[r] * row_bytes, row_bytes))
       return 0;
   const int bits = whole.bits;
-  Entry e{rows, pack(R, K, bits, [&](long r, int k) { return record_value(whole.packed, K, bits, at[r], k); },
-                     [&](long r, int g, int which) { return record_half(whole.packed, K, bits, at[r], g, which); }),
+  Entry e{rows, pack(R, K, bits, [&](long r, int k) { return record_value(whole.packed.data, K, bits, at[r], k); },
+                     [&](long r, int g, int which) { return record_half(whole.packed.data, K, bits, at[r], g, which); }),
           bits};
   const int64_t bytes = read_bytes(R, K, bits);
   registry().insert_or_assign(rows.data<void>(), std::move(e));
@@ -181,7 +182,7 @@ int64_t blocks_register_rows(const mx::array& rows, const mx::array& weight, con
 BlockView blocks_lookup(const void* data) {
   std::lock_guard<std::mutex> lock(registry_mu);
   auto it = registry().find(data);
-  return it == registry().end() ? BlockView{} : BlockView{it->second.packed.data(), it->second.bits};
+  return it == registry().end() ? BlockView{} : BlockView{it->second.packed.data, it->second.bits};
 }
 
 void blocks_forget(const mx::array& weight) {

@@ -8,8 +8,10 @@
 #include <immintrin.h>
 
 #include <chrono>
+#include <cstring>
 #include <vector>
 
+#include "arena.h"
 #include "gemv.h"
 #include "pool.h"
 
@@ -90,8 +92,10 @@ double fma_peak_gflops(long iters) {
 double read_bandwidth_gbs(long bytes, int repeats) {
   if (bytes <= 0 || repeats <= 0) return 0.0;
   const Isa isa = detect_isa();
-  std::vector<char> buffer(static_cast<size_t>(bytes), 1);  // written once: every page is mapped
-  const char* base = buffer.data();
+  // on the records' pages (arena.h), written once so every page is mapped
+  const Span buffer = huge_span(static_cast<size_t>(bytes));
+  std::memset(buffer.data, 1, buffer.size);
+  const char* base = reinterpret_cast<const char*>(buffer.data);
   const int parts = pool().size();
   std::vector<float> sums(parts);
   double best = 0.0;
