@@ -51,9 +51,10 @@ def test_plain_when_drafting_cannot_pay(cost, width):
     assert policy(free).decide([RowState((1.0,) * 6)] * width).k == 6  # everything is, drafts are free
 
 
-@given(costs, st.lists(rates, min_size=1, max_size=8), widths)
-def test_the_decision_is_the_best_candidate_it_scores(cost, acceptance, width):
-    p, rows = policy(cost), [RowState(acceptance)] * width
+@given(costs, st.lists(st.lists(rates, min_size=1, max_size=8), min_size=1, max_size=12))
+def test_the_decision_is_the_best_candidate_it_scores(cost, acceptances):
+    """Scored in one pass over the rows (chain_totals), bit for bit what rate() gives each."""
+    p, rows = policy(cost), [RowState(a) for a in acceptances]
     decision = p.decide(rows)
     best = max(p.rate(rows, Decision(k)) for k in range(1, 7))
     assert (decision.plain and best <= 1.02 * p.rate(rows, PLAIN)) or p.rate(rows, decision) == best

@@ -31,12 +31,16 @@ class AcceptanceBook:
     depth: int = 8
     rates: dict = attrs.field(factory=dict)  # request id -> list of per-position rates
     lookups: dict = attrs.field(factory=dict)  # request id -> the same, of its prompt-lookup drafts
+    # temperature -> the prior's rates by position: a row that only decodes plain reads them every step
+    priors: dict = attrs.field(factory=dict, repr=False)
 
     def row(self, request) -> RowState:
+        t = request.params.temperature
         rates = self.rates.get(request.id)
         if rates is None:
-            rates = [self.prior.at(i, request.params.temperature) for i in range(1, self.depth + 1)]
-        t = request.params.temperature
+            rates = self.priors.get(t)
+            if rates is None:
+                rates = self.priors[t] = tuple(self.prior.at(i, t) for i in range(1, self.depth + 1))
         return RowState(rates, t, self.lookups.get(request.id, (lookup_prior(t),)))
 
     def rows(self, requests) -> list[RowState]:
@@ -80,5 +84,7 @@ class AcceptanceBook:
     def keep(self, requests) -> None:
         """Forget rows no longer live."""
         live = {r.id for r in requests}
+        if live.issuperset(self.rates) and live.issuperset(self.lookups):
+            return
         self.rates = {i: v for i, v in self.rates.items() if i in live}
         self.lookups = {i: v for i, v in self.lookups.items() if i in live}

@@ -19,6 +19,8 @@ as the margins the policy decides on (width 2: speculation 6% ahead measured, 2%
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 
@@ -32,7 +34,7 @@ def _rounds(value) -> tuple[tuple[int, int, float], ...]:
     return tuple(sorted((int(w), int(k), float(s)) for w, k, s in value))
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # hashed once: a round's price is memoized per model (round_seconds)
 class CostModel:
     target_fixed_s: float = 1.0
     target_token_s: float = 0.02
@@ -85,7 +87,12 @@ class CostModel:
     def round_seconds(self, rows: int, k: int) -> float:
         """A round of ``rows`` and ``k`` drafts (0: plain): as calibrate timed it decoding alone
         where it did (``rounds``; linear between timed widths), and elsewhere the model
-        scaled to agree with the nearest timed round (the widest width, the nearest k)."""
+        scaled to agree with the nearest timed round (the widest width, the nearest k).
+        Memoized: the policy prices ~10 rounds every step (a width-1 step's decision took ~90
+        us in the engine, ~2% of a step, a quarter of it here)."""
+        return _priced(self, rows, k)
+
+    def _round_seconds(self, rows: int, k: int) -> float:
         ks = {kk for _, kk, _ in self.rounds}
         if not ks:
             return self.modelled_s(rows, k)
@@ -117,3 +124,8 @@ class CostModel:
         keeps that field's default)."""
         known = {f.name for f in attrs.fields(cls)}
         return cls(**{k: (v if k in ("forward_table", "rounds") else float(v)) for k, v in data.items() if k in known})
+
+
+@functools.lru_cache(maxsize=4096)
+def _priced(cost: CostModel, rows: int, k: int) -> float:
+    return cost._round_seconds(rows, k)

@@ -110,11 +110,16 @@ def lookup_prior(temperature: float) -> float:
 
 def chain_tokens(row: RowState, k: int) -> float:
     """Expected emitted tokens of one row for a chain of ``k`` (the bonus token included)."""
-    total, reach = 1.0, 1.0
+    return chain_totals(row, k)[k]
+
+
+def chain_totals(row: RowState, k: int) -> list[float]:
+    """``chain_tokens`` for every chain of 0..k in one pass (the policy weighs them all)."""
+    totals, reach = [1.0], 1.0
     for i in range(1, k + 1):
         reach *= row.at(i)
-        total += reach
-    return total
+        totals.append(totals[-1] + reach)
+    return totals
 
 
 def tree_tokens(row: RowState, shape: TreeShape) -> float:
@@ -183,7 +188,7 @@ class SpecPolicy:
             return PLAIN
         decision = self._drafted(rows, previous)
         lookup = self._lookup(rows, decision)
-        return attrs.evolve(decision, lookup=lookup) if lookup else decision
+        return Decision(decision.k, decision.tree, lookup) if lookup else decision
 
     def _lookup(self, rows: Sequence[RowState], decision: Decision) -> int:
         """How many prompt-lookup drafts a lone row's round takes where its stream repeats:
@@ -191,8 +196,8 @@ class SpecPolicy:
         if that beats the round decided; 0 otherwise."""
         if not self.lookup_k or len(rows) != 1:
             return 0
-        row, cost = rows[0].looked_up(), self.prior.cost
-        rates = {k: chain_tokens(row, k) / cost.lookup_s(k) for k in range(1, self.lookup_k + 1)}
+        totals, cost = chain_totals(rows[0].looked_up(), self.lookup_k), self.prior.cost
+        rates = {k: totals[k] / cost.lookup_s(k) for k in range(1, self.lookup_k + 1)}
         best = max(rates, key=rates.__getitem__)
         return best if rates[best] > self.rate(rows, decision) else 0
 
@@ -201,9 +206,12 @@ class SpecPolicy:
         if self.fixed:
             return Decision(tree.depth, tree) if tree is not None else Decision(self.max_k)
         candidates = [Decision(k) for k in range(1, self.max_k + 1)]
+        # every chain's rate from one pass over each row (what rate() gives each, summed alike)
+        totals = [sum(tokens) for tokens in zip(*(chain_totals(r, self.max_k) for r in rows))]
+        rates = [totals[c.k] / self.prior.cost.chain_s(len(rows), c.k) for c in candidates]
         if tree is not None:
             candidates.append(Decision(tree.depth, tree))
-        rates = [self.rate(rows, c) for c in candidates]
+            rates.append(self.rate(rows, candidates[-1]))
         best = max(range(len(candidates)), key=rates.__getitem__)
         plain = self.rate(rows, PLAIN)
         drafting = rates[best] > plain * (1.0 + MARGIN) if previous.plain else plain <= rates[best] * (1.0 + MARGIN)
