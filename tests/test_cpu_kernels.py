@@ -123,6 +123,7 @@ def test_the_fma_peak_probe_runs_on_any_thread_count():
 def test_the_read_bandwidth_probe_reads_any_size_on_any_thread_count(size):
     ext = cpu.extension()
     assert ext.read_bandwidth_gbs(size, 2) > 0.0  # a rate: its size is the bench's to read
+    assert ext.read_bandwidth_gbs(size, 2, small_pages=True) > 0.0  # on 4 KB pages, for comparison
     with cpu.narrowed():
         assert ext.read_bandwidth_gbs(size, 1) > 0.0
     assert ext.read_bandwidth_gbs(0, 3) == 0.0 and ext.read_bandwidth_gbs(size, 0) == 0.0

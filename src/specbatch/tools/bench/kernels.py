@@ -8,7 +8,8 @@ against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
   reaches at once streaming a 256 MB buffer with vector loads (``read_bound_ms``: the physical
   limit; numpy's sgemv reached 15-21 GB/s on a Zen 4 VM where this read 27-35 on 4 KB pages);
   the buffer lies on the pages the blocks' records do (huge pages where the system grants them:
-  ``block_pages`` says how many of the records' bytes it did);
+  ``block_pages`` says how many of the records' bytes it did; ``read_probe_4k_pages_gb_s`` is
+  the same read on 4 KB pages);
 - the compute bound: every weight times every token row (two FLOPs each) over the float32
   FMA peak all kernel threads reach at once (``fma_peak_gflops``); a shape's roofline is the
   larger of its bytes (the quantized blocks at every row count) over the read bandwidth and its
@@ -137,6 +138,7 @@ def suite_kernels(ctx) -> dict:
     ext = cpu.extension()
     peak = ext.fma_peak_gflops() if ext is not None else 0.0
     read = ext.read_bandwidth_gbs() if ext is not None else probe
+    read_small = ext.read_bandwidth_gbs(small_pages=True) if ext is not None else probe  # for comparison
     read_bound_ms = total / read / 1e6
     stored = sum(w.nbytes for w in _matrices(model))
     weights = sum(w.size for w in _matrices(model))
@@ -167,7 +169,7 @@ def suite_kernels(ctx) -> dict:
             "weight_bytes": total, "weight_bytes_stored": stored,
             "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
             "block_matrices": sum(1 for m in _modules(model) if reads_blocks(m)),
-            "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "read_probe_gb_s": read, "read_bound_ms": read_bound_ms,
+            "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "read_probe_gb_s": read, "read_probe_4k_pages_gb_s": read_small, "read_bound_ms": read_bound_ms,
             "fma_peak_gflops": peak, "block_pages": ext.blocks_pages() if ext is not None else None, "rows": rows}
 
 

@@ -40,7 +40,7 @@ bool wants_huge() {
   return on;
 }
 
-std::shared_ptr<Chunk> make_chunk(size_t bytes) {
+std::shared_ptr<Chunk> make_chunk(size_t bytes, bool huge) {
   auto c = std::make_shared<Chunk>();
   c->capacity = (bytes + kHuge - 1) / kHuge * kHuge;
   c->mapped = c->capacity + kHuge;  // room to start on a 2 MB boundary
@@ -52,7 +52,7 @@ std::shared_ptr<Chunk> make_chunk(size_t bytes) {
   const auto at = (reinterpret_cast<uintptr_t>(c->mapping) + kHuge - 1) / kHuge * kHuge;
   c->base = reinterpret_cast<uint8_t*>(at);
   // advice only: where THP is off or none is free, the same bytes stay on 4 KB pages
-  madvise(c->base, c->capacity, wants_huge() ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+  madvise(c->base, c->capacity, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
   return c;
 }
 
@@ -63,7 +63,7 @@ Span arena_take(size_t bytes) {
   std::lock_guard<std::mutex> lock(mu);
   std::shared_ptr<Chunk> chunk = current.lock();
   if (!chunk || chunk->capacity - chunk->used < size) {
-    chunk = make_chunk(size > kChunk ? size : kChunk);
+    chunk = make_chunk(size > kChunk ? size : kChunk, wants_huge());
     current = chunk;
     live.erase(std::remove_if(live.begin(), live.end(), [](const auto& w) { return w.expired(); }), live.end());
     live.push_back(chunk);
@@ -74,8 +74,8 @@ Span arena_take(size_t bytes) {
   return Span{std::shared_ptr<uint8_t>(chunk, data), data, bytes};
 }
 
-Span huge_span(size_t bytes) {
-  auto c = make_chunk(bytes);
+Span huge_span(size_t bytes, bool huge) {
+  auto c = make_chunk(bytes, huge);
   return Span{std::shared_ptr<uint8_t>(c, c->base), c->base, bytes};
 }
 

@@ -22,9 +22,9 @@ struct Span {
 
 Span arena_take(size_t bytes);
 
-// A mapping of its own of `bytes` zeroed bytes, with the same advice (the read probe's buffer,
-// so the bound it measures is read the way the records are).
-Span huge_span(size_t bytes);
+// A mapping of its own of `bytes` zeroed bytes, asked for huge pages or told never to take them
+// (the read probe's buffer: the records' pages, and 4 KB ones for comparison).
+Span huge_span(size_t bytes, bool huge);
 
 // Whether chunks ask for huge pages (madvise MADV_HUGEPAGE): on unless SPECBATCH_HUGE_PAGES=0
 // when the first chunk is made; the kernel grants them only where THP is "always" or "madvise".

@@ -146,7 +146,9 @@ NB_MODULE(_ext, m) {
   m.def("fma_peak_gflops", &specbatch::fma_peak_gflops, nb::arg("iters") = 20000000,
         "float32 GFLOPS of independent FMA chains on every pool thread at once (the compute roofline)");
   m.def("read_bandwidth_gbs", &specbatch::read_bandwidth_gbs, nb::arg("bytes") = 256L << 20, nb::arg("repeats") = 5,
-        "GB/s every pool thread reaches at once streaming its slice of a `bytes` buffer (the read roofline)");
+        nb::arg("small_pages") = false,
+        "GB/s every pool thread reaches at once streaming its slice of a `bytes` buffer (the read roofline), on "
+        "the blocks' pages or on 4 KB ones");
   m.def("half_weights", &specbatch::half_weights_supported,
         "whether the linears take float16 weights (widened exactly as they stream)");
   m.def("threads", [] { return specbatch::pool().size(); });

@@ -89,11 +89,11 @@ double fma_peak_gflops(long iters) {
   return 2.0 * 12 * lanes * static_cast<double>(iters) * parts / s / 1e9;
 }
 
-double read_bandwidth_gbs(long bytes, int repeats) {
+double read_bandwidth_gbs(long bytes, int repeats, bool small_pages) {
   if (bytes <= 0 || repeats <= 0) return 0.0;
   const Isa isa = detect_isa();
   // on the records' pages (arena.h), written once so every page is mapped
-  const Span buffer = huge_span(static_cast<size_t>(bytes));
+  const Span buffer = huge_span(static_cast<size_t>(bytes), arena_huge_pages() && !small_pages);
   std::memset(buffer.data, 1, buffer.size);
   const char* base = reinterpret_cast<const char*>(buffer.data);
   const int parts = pool().size();

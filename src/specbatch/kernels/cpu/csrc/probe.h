@@ -9,7 +9,9 @@ double fma_peak_gflops(long iters);
 
 // GB/s every pool thread reaches at once reading its slice of a `bytes` buffer (well past the
 // last-level cache) with the widest vector loads, best of `repeats`: what a decode step that only
-// streamed its weights could reach. 0 for an empty buffer or no repeats.
-double read_bandwidth_gbs(long bytes, int repeats);
+// streamed its weights could reach. The buffer lies on the pages the blocks' records are asked
+// for (arena.h: huge pages unless SPECBATCH_HUGE_PAGES=0), or on 4 KB pages where `small_pages`.
+// 0 for an empty buffer or no repeats.
+double read_bandwidth_gbs(long bytes, int repeats, bool small_pages = false);
 
 }  // namespace specbatch
