@@ -52,7 +52,11 @@ std::shared_ptr<Chunk> make_chunk(size_t bytes, bool huge) {
   const auto at = (reinterpret_cast<uintptr_t>(c->mapping) + kHuge - 1) / kHuge * kHuge;
   c->base = reinterpret_cast<uint8_t*>(at);
   // advice only: where THP is off or none is free, the same bytes stay on 4 KB pages
+#if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
   madvise(c->base, c->capacity, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+#else
+  (void)huge;
+#endif
   return c;
 }
 
