@@ -88,8 +88,8 @@ class CostModel:
         """A round of ``rows`` and ``k`` drafts (0: plain): as calibrate timed it decoding alone
         where it did (``rounds``; linear between timed widths), and elsewhere the model
         scaled to agree with the nearest timed round (the widest width, the nearest k).
-        Memoized: the policy prices ~10 rounds every step (a width-1 step's decision took ~90
-        us in the engine, ~2% of a step, a quarter of it here)."""
+        Memoized: the policy prices ~10 rounds every step, and pricing them anew was a quarter
+        of a width-1 step's ~90 us decision."""
         return _priced(self, rows, k)
 
     def _round_seconds(self, rows: int, k: int) -> float:

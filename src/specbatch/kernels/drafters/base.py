@@ -21,6 +21,12 @@ TopChooser = Callable[[mx.array, int, int], mx.array]
 ANY_WIDTH = 1 << 30  # a drafter's ``tree_width`` when it drafts a tree per row at any width
 
 
+def fixed_logits(tokens: mx.array, vocab_size: int) -> mx.array:
+    """Draft logits ``[B, k, V]`` of fixed drafts ``tokens`` ``[B, k]`` (n-grams, prompt lookup):
+    one-hot, so rejection sampling accepts a draft ``d`` with the target's probability of ``d``."""
+    return mx.where(mx.arange(vocab_size) == tokens[..., None], 0.0, -1e9)
+
+
 @attrs.frozen
 class DraftTree:
     """A drafted token tree of one row: ``tokens`` ``[N]`` (lazy; node 0 is the pending

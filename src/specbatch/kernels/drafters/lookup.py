@@ -18,7 +18,7 @@ import array
 
 import mlx.core as mx
 
-from .base import Chooser
+from .base import Chooser, fixed_logits
 
 
 class History:
@@ -62,9 +62,8 @@ class History:
 
 
 class Proposed:
-    """A one-round drafter proposing fixed ``tokens`` (``[k]``) for a one-row batch; the round's
-    rollback goes to ``inner``, the drafter it stands in for. Its logits are one-hot, so
-    rejection sampling accepts a proposal ``d`` with the target's probability of ``d``."""
+    """A one-round drafter proposing fixed ``tokens`` (``[k]``) for a one-row batch (one-hot
+    logits, ``fixed_logits``); the round's rollback goes to ``inner``, the drafter it stands in for."""
 
     tree_width = 0
 
@@ -77,8 +76,7 @@ class Proposed:
         if k != len(self.tokens) or pending.shape[0] != 1:
             raise ValueError(f"a lookup round proposes its {len(self.tokens)} tokens for one row, asked {k}")
         tokens = mx.array([self.tokens], dtype=mx.int32)  # [1, k]
-        logits = mx.where(mx.arange(self.vocab_size) == tokens[..., None], 0.0, -1e9)  # [1, k, V]
-        return tokens, logits
+        return tokens, fixed_logits(tokens, self.vocab_size)
 
     def rollback(self, counts: list[int], hidden: mx.array | None = None) -> None:
         self.inner.rollback(counts, hidden)

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...runtime.tree_shape import TreeLayout
-from .base import ANY_WIDTH, Capture, Chooser, DraftTree
+from .base import ANY_WIDTH, Capture, Chooser, DraftTree, fixed_logits
 from .lookup import History
 
 
@@ -102,8 +102,7 @@ class NGramDrafter:
             rows.append(propose(fed, k, self.source.max_n, self.source.min_n))
             fed += rows[-1][:-1]  # the invariant: feeds [prev, pending, d_1 .. d_{k-1}]
         tokens = mx.array(rows, dtype=mx.int32)  # [B, k]
-        logits = mx.where(mx.arange(self.source.vocab_size) == tokens[..., None], 0.0, -1e9)  # [B, k, V]
-        return tokens, logits
+        return tokens, fixed_logits(tokens, self.source.vocab_size)
 
     def draft_tree(self, prev, pending, shape, choose, context=None) -> DraftTree:
         return self.draft_trees(prev, pending, shape, choose, context)[0]
