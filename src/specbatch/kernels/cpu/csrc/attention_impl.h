@@ -23,9 +23,9 @@ inline float hsum(vf v) {
 // Keys [j0, j1) pulled in ahead of use. A paged row's keys jump to another place in the pool
 // every block, where the hardware prefetcher restarts its stream; dense keys gained ~8% too.
 constexpr int kAheadKeys = 32;
-inline void prefetch_rows(const KeyRows& k, int j0, int j1, int D) {
+inline void prefetch_rows(const KeyRows& k, int j0, int j1, int D, int from = 0) {
   for (int j = j0; j < j1; ++j) {
-    const char* row = reinterpret_cast<const char*>(k.at(j));
+    const char* row = reinterpret_cast<const char*>(k.at(j) + from);
     for (int b = 0; b < D * 4; b += 64) __builtin_prefetch(row + b);
   }
 }
@@ -44,16 +44,17 @@ inline void prefetch_keys(const KeyRows& k, int j0, int j1, int D) {
   }
 }
 
-// acc[r] = sum_j p[r][j] v[j] for RN rows kept in registers over every key (NV vectors of a
-// head); one multiply and one add per term, in key order (no contraction: -ffp-contract=off).
-template <int NV, int RN>
-void weigh_rows(const float* p, int stride, const KeyRows& v, int seen, float* acc) {
+// acc[r] = sum_j p[r][j] v[j] over the head's vectors [n0, n0 + NV) for RN rows kept in
+// registers over every key (acc rows NA vectors apart); one multiply and one add per term, in
+// key order (no contraction: -ffp-contract=off).
+template <int NV, int RN, int NA = NV>
+void weigh_rows(const float* p, int stride, const KeyRows& v, int seen, float* acc, int n0 = 0) {
   vf sum[RN][NV] = {};
-  prefetch_rows(v, 0, std::min(seen, kAheadKeys), NV * W);
+  prefetch_rows(v, 0, std::min(seen, kAheadKeys), NV * W, n0 * W);  // this pass's vectors only
   for (int j = 0; j < seen; ++j) {
-    if (j + kAheadKeys < seen) prefetch_rows(v, j + kAheadKeys, j + kAheadKeys + 1, NV * W);
+    if (j + kAheadKeys < seen) prefetch_rows(v, j + kAheadKeys, j + kAheadKeys + 1, NV * W, n0 * W);
     vf vj[NV];
-    const float* vrow = v.at(j);
+    const float* vrow = v.at(j) + n0 * W;
     for (int n = 0; n < NV; ++n) vj[n] = load(vrow + n * W);
     for (int r = 0; r < RN; ++r) {
       const vf pr = splat(p[static_cast<size_t>(r) * stride + j]);
@@ -61,13 +62,37 @@ void weigh_rows(const float* p, int stride, const KeyRows& v, int seen, float* a
     }
   }
   for (int r = 0; r < RN; ++r)
-    for (int n = 0; n < NV; ++n) store(acc + r * NV * W + n * W, sum[r][n]);
+    for (int n = 0; n < NV; ++n) store(acc + r * NA * W + (n0 + n) * W, sum[r][n]);
+}
+
+// A head too wide for several rows' sums in the registers (AVX2, D = 64: 8 vectors) in slices
+// of 2 vectors against up to 6 rows: each value read once per 6 rows, not once per row, and
+// each element summed in the same order as whole rows sum it (the same bits).
+template <int NV>
+void weigh_sliced(const float* p, int stride, int rows, const KeyRows& v, int seen, float* acc) {
+  constexpr int S = 2;
+  int r = 0;
+  for (; r + 6 <= rows; r += 6)
+    for (int n0 = 0; n0 < NV; n0 += S) weigh_rows<S, 6, NV>(p + r * stride, stride, v, seen, acc + r * NV * W, n0);
+  const int left = rows - r;
+  for (int n0 = 0; left > 0 && n0 < NV; n0 += S) {
+    const float* pr = p + r * stride;
+    float* ar = acc + r * NV * W;
+    switch (left) {
+      case 5: weigh_rows<S, 5, NV>(pr, stride, v, seen, ar, n0); break;
+      case 4: weigh_rows<S, 4, NV>(pr, stride, v, seen, ar, n0); break;
+      case 3: weigh_rows<S, 3, NV>(pr, stride, v, seen, ar, n0); break;
+      case 2: weigh_rows<S, 2, NV>(pr, stride, v, seen, ar, n0); break;
+      default: weigh_rows<S, 1, NV>(pr, stride, v, seen, ar, n0);
+    }
+  }
 }
 
 template <int NV>
 void weigh_fixed(const float* p, int stride, int rows, const KeyRows& v, int seen, float* acc) {
   constexpr int regs = W == 16 ? 32 : 16;  // rows per pass that fit the registers with the values
   constexpr int R = (regs - NV) / NV >= 4 ? 4 : (regs - NV) / NV >= 2 ? 2 : 1;
+  if constexpr (R == 1 && NV % 2 == 0) return weigh_sliced<NV>(p, stride, rows, v, seen, acc);
   int r = 0;
   for (; r + R <= rows; r += R) weigh_rows<NV, R>(p + r * stride, stride, v, seen, acc + r * NV * W);
   // the rest in one pass where it fits (a decode query group is 3 rows): each pass reads every value
@@ -136,15 +161,36 @@ void transpose_keys(const KeyRows& k, int j0, int n, int D, float* kt) {
     for (int d = 0; d < D; ++d) kt[d * W + j] = 0.0f;
 }
 
-// s[r][0..W) = q_r . k_(j0 ..): R query rows in registers, one multiply and one add per d.
+// Query rows a scores pass keeps in registers beside a key vector: 8 accumulators hide the
+// adds' latency (4 left a Zen 3 core waiting on them; 8 need 10 of AVX2's 16 registers).
+constexpr int kScoreRows = 8;
+
+// Where query row r's element d sits in the pass layout (rows in passes of kScoreRows, the
+// last pass the rest; a pass of n rows from r0 stored [D][n]): every broadcast of a pass at a
+// fixed offset from one pointer.
+inline size_t pass_at(int r, int d, int rows, int D) {
+  const int r0 = r / kScoreRows * kScoreRows, n = std::min(kScoreRows, rows - r0);
+  return static_cast<size_t>(r0) * D + static_cast<size_t>(d) * n + (r - r0);
+}
+
+// s[r][0..W) = q_r . k_(j0 ..): R query rows (q: their pass, [D][R]) in registers, one multiply
+// and one add per d.
 template <int R>
 void dot_rows(const float* q, int D, const float* kt, int ks, float* s, int stride) {
   vf acc[R] = {};
   for (int d = 0; d < D; ++d) {
     const vf kd = load(kt + d * ks);
-    for (int r = 0; r < R; ++r) acc[r] += splat(q[r * D + d]) * kd;
+    for (int r = 0; r < R; ++r) acc[r] += splat(q[d * R + r]) * kd;
   }
   for (int r = 0; r < R; ++r) store(s + static_cast<size_t>(r) * stride, acc[r]);
+}
+
+template <int R = kScoreRows>
+void dot_pass(int n, const float* q, int D, const float* kt, int ks, float* s, int stride) {
+  if constexpr (R > 1) {
+    if (n < R) return dot_pass<R - 1>(n, q, D, kt, ks, s, stride);
+  }
+  dot_rows<R>(q, D, kt, ks, s, stride);
 }
 
 // Keys j0 .. j0+n-1 as [D][ks]: a blocked pool's block itself where they are its consecutive
@@ -175,19 +221,17 @@ const float* key_block(const KeyRows& k, int j0, int n, int D, float* kt, int& k
   return kt;
 }
 
-// Raw scores of `rows` query rows against keys [0, seen): s [rows][stride].
+// Raw scores of `rows` query rows (q in their passes' layout, `pass_at`) against keys [0, seen):
+// s [rows][stride].
 void scores(const float* q, int rows, const KeyRows& k, int seen, int D, float* s, int stride, float* kt) {
-  constexpr int R = W == 16 ? 8 : 4;  // accumulators that fit the registers beside the keys
   prefetch_keys(k, 0, std::min(seen, kAheadKeys), D);
   for (int j0 = 0; j0 < seen; j0 += W) {
     prefetch_keys(k, std::min(seen, j0 + kAheadKeys), std::min(seen, j0 + kAheadKeys + W), D);
     int ks;
     const float* kb = key_block(k, j0, std::min(W, seen - j0), D, kt, ks);
-    float* sr = s + j0;
-    int r = 0;
-    for (; r + R <= rows; r += R) dot_rows<R>(q + r * D, D, kb, ks, sr + static_cast<size_t>(r) * stride, stride);
-    for (; r + 2 <= rows; r += 2) dot_rows<2>(q + r * D, D, kb, ks, sr + static_cast<size_t>(r) * stride, stride);
-    for (; r < rows; ++r) dot_rows<1>(q + r * D, D, kb, ks, sr + static_cast<size_t>(r) * stride, stride);
+    for (int r = 0; r < rows; r += kScoreRows)
+      dot_pass(std::min(kScoreRows, rows - r), q + static_cast<size_t>(r) * D, D, kb, ks,
+               s + static_cast<size_t>(r) * stride + j0, stride);
   }
 }
 
@@ -251,7 +295,7 @@ void block(const AttentionArgs& a, int b, int hk, int i0, int n, Scratch& w) {
   for (int g = 0; g < G; ++g) {
     const float* q = a.q + b * a.qs[0] + (hk * G + g) * a.qs[1] + i0 * a.qs[2];
     for (int i = 0; i < n; ++i)
-      for (int d = 0; d < D; ++d) w.q[(g * n + i) * D + d] = q[i * a.qs[2] + d];
+      for (int d = 0; d < D; ++d) w.q[pass_at(g * n + i, d, rows, D)] = q[i * a.qs[2] + d];
   }
   scores(w.q.data(), rows, k, seen, D, w.s.data(), stride, w.kt.data());
   for (int r = 0; r < rows; ++r) {

@@ -6,7 +6,15 @@ typedef int vi __attribute__((vector_size(W * 4)));
 
 inline vf load(const float* p) { vf v; __builtin_memcpy(&v, p, sizeof(v)); return v; }
 inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof(v)); }
-inline vf splat(float x) { return vf{} + x; }
+// A broadcast (`vf{} + x` cost an add before each one: 0 + x, kept for x = -0; a loop over the
+// lanes, an insert each).
+inline vf splat(float x) {
+#if W == 16
+  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+  return vf{x, x, x, x, x, x, x, x};
+#endif
+}
 
 // exp(x) for x <= 0 (scores minus their row's max): 2^n * p(r), |rel err| < 2e-7.
 inline vf exp_neg(vf x) {
