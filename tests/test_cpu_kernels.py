@@ -72,6 +72,19 @@ def test_a_narrowed_pool_gives_the_same_bits_and_releases_its_cap():
         ext.pool_spin(2000)
 
 
+
+@needs_kernels
+@pytest.mark.parametrize("on_kernel", [False, True])
+def test_beside_the_blas_workers_sleep_at_once_and_spin_again_after(monkeypatch, on_kernel):
+    ext = cpu.extension()
+    monkeypatch.setattr(cpu, "prefill_on_kernel", lambda _: on_kernel)
+    with pytest.raises(RuntimeError), cpu.beside_blas():
+        inside = ext.pool_spin(0)  # the setting inside, read by replacing it with the same
+        ext.pool_spin(inside)
+        raise RuntimeError("the spin comes back even when the block fails")
+    assert inside == (2000 if on_kernel else 0)  # wide linears on the kernel: its workers spin as ever
+    assert ext.pool_spin(2000) == 2000
+
 _PLACEMENT_PROBE = """
 import glob, mlx.core as mx
 from specbatch.kernels import cpu

@@ -156,7 +156,8 @@ NB_MODULE(_ext, m) {
         "pin each kernel thread to a core of its own (True, the default) or leave placement to the OS");
   m.def("pool_pinned", [] { return specbatch::pool().pinned(); });
   m.def("pool_spin", &specbatch::Pool::spin, nb::arg("us"),
-        "how long an idle kernel worker spins before it sleeps, in microseconds (default 2,000)");
+        "how long an idle kernel worker spins before it sleeps, in microseconds (default 2,000); returns the\n"
+        "setting it replaced");
   // the MLX this was compiled against; the loader refuses to run beside another one
   m.attr("built_for_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) +
                             "." + std::to_string(MLX_VERSION_PATCH);

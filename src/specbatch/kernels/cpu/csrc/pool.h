@@ -27,8 +27,9 @@ class Pool {
   // a small graph computing on one core while the caller builds the next on the other. The
   // sums never depend on it (each output is one thread's whole).
   static void cap(int threads) { cap_.store(threads, std::memory_order_relaxed); }
-  // How long an idle worker spins before it sleeps (microseconds; 2,000 by default).
-  static void spin(int us) { spin_us_.store(us, std::memory_order_relaxed); }
+  // How long an idle worker spins before it sleeps (microseconds; 2,000 by default); returns
+  // the setting it replaced.
+  static int spin(int us) { return spin_us_.exchange(us, std::memory_order_relaxed); }
   // Each pool thread on a core of its own (the caller, MLX's stream thread, on the first CPU
   // the process may use, worker i on the i-th): left to the scheduler, a woken worker at times
   // shared the caller's core and a width-1 round took twice as long (10-20% of rounds). On by
