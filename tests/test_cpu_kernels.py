@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specbatch.kernels import cpu
+from specbatch.kernels.cpu import wide
 from specbatch.kernels.cpu.modules import FastEmbedding, FastLinear, use_cpu_kernels
 
 needs_kernels = pytest.mark.skipif(not cpu.status().active, reason=f"CPU kernels inactive: {cpu.status().why}")
@@ -77,8 +78,8 @@ def test_a_narrowed_pool_gives_the_same_bits_and_releases_its_cap():
 @pytest.mark.parametrize("on_kernel", [False, True])
 def test_beside_the_blas_workers_sleep_at_once_and_spin_again_after(monkeypatch, on_kernel):
     ext = cpu.extension()
-    monkeypatch.setattr(cpu, "prefill_on_kernel", lambda _: on_kernel)
-    with pytest.raises(RuntimeError), cpu.beside_blas():
+    monkeypatch.setattr(wide, "prefill_on_kernel", lambda _: on_kernel)
+    with pytest.raises(RuntimeError), cpu.beside_blas(ext):
         inside = ext.pool_spin(0)  # the setting inside, read by replacing it with the same
         ext.pool_spin(inside)
         raise RuntimeError("the spin comes back even when the block fails")

@@ -195,8 +195,8 @@ def prefill_batch(runner: TargetRunner, prompts: list[list[int]]):
     pads = [L - len(p) for p in prompts]
     tokens = mx.array([[0] * pad + p for p, pad in zip(prompts, pads)], dtype=mx.int32)  # [B, L]
     kv = BatchKV([RaggedKVCache.left_padded(pads) for _ in range(runner.n_layers)])
-    from .cpu import beside_blas
-    with beside_blas():
+    from .cpu import beside_blas, extension
+    with beside_blas(extension()):
         logits = runner.forward_last(tokens, kv.layers)  # [B, V]
         mx.eval(logits, kv.arrays())
     return logits, kv
@@ -205,8 +205,8 @@ def prefill_batch(runner: TargetRunner, prompts: list[list[int]]):
 def prefill_chunk(runner: TargetRunner, tokens: list[int], cache: list) -> mx.array:
     """One chunk ``tokens`` (at most ``runner.prefill_chunk``) into ``cache``; its last
     logits ``[1, V]`` (evaluated with the new KV)."""
-    from .cpu import beside_blas
-    with beside_blas():
+    from .cpu import beside_blas, extension
+    with beside_blas(extension()):
         logits = runner.forward_last(mx.array(tokens, dtype=mx.int32)[None], cache)  # [1, V]
         mx.eval(logits, [c.keys for c in cache if getattr(c, "keys", None) is not None])
     return logits

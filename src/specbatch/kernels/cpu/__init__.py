@@ -38,7 +38,7 @@ import structlog
 
 from .half import weight_ok
 from .scoped import Scoped
-from .wide import merged_rows_match, prefill_on_kernel, row_blocks, wide_linear  # noqa: F401 (re-exported)
+from .wide import beside_blas, merged_rows_match, prefill_on_kernel, row_blocks, wide_linear  # noqa: F401 (re-exported)
 
 log = structlog.get_logger(__name__)
 
@@ -114,24 +114,6 @@ def status() -> KernelStatus:
 def reset() -> None:
     """Forget the loaded state (tests flip ``SPECBATCH_CPU_KERNELS``)."""
     _loaded.clear()
-
-
-@contextlib.contextmanager
-def beside_blas():
-    """Kernels evaluated while this block runs leave their idle workers asleep at once: a
-    prefill's wide linears run on the BLAS's own threads between them, and a worker spinning
-    2 ms after each op took a core from those (a 1,440-token prefill on a Zen 3: 0.90x the
-    time without the spin). Where wide linears run on the kernel (``prefill_on_kernel``) the
-    workers spin as ever."""
-    ext = _active()
-    if ext is None or prefill_on_kernel(ext):
-        yield
-        return
-    before = ext.pool_spin(0)
-    try:
-        yield
-    finally:
-        ext.pool_spin(before)
 
 
 def rows_of(x: mx.array) -> int:
