@@ -170,7 +170,8 @@ def suite_kernels(ctx) -> dict:
             "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
             "block_matrices": sum(1 for m in _modules(model) if reads_blocks(m)),
             "sgemv_probe_gb_s": probe, "bound_ms": bound_ms, "read_probe_gb_s": read,
-            "read_probe_4k_pages_gb_s": read_small, "read_bound_ms": read_bound_ms, "fma_peak_gflops": peak, "block_pages": ext.blocks_pages() if ext is not None else None, "rows": rows}
+            "read_probe_4k_pages_gb_s": read_small, "read_bound_ms": read_bound_ms, "fma_peak_gflops": peak,
+            "block_pages": ext.blocks_pages() if ext is not None else None, "rows": rows}
 
 
 SUITES = {"kernels": suite_kernels}
