@@ -124,6 +124,23 @@ def test_a_lost_rank_fails_requests_instead_of_hanging(tmp_path, model_dir, faul
             p.wait()
 
 
+def until_healthy(proc, url: str, deadline_s: float = 600.0) -> None:
+    """Wait until the launched server answers /health, its launcher exits (failing with its
+    output), or a deadline far past any start-up: two ranks loading beside a busy CI took over
+    the 60 s a fixed count of tries once allowed, and the request then met a closed port."""
+    import httpx
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end and proc.poll() is None:
+        try:
+            httpx.get(f"{url}/health", timeout=5)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    out = proc.stdout.read() if proc.poll() is not None else ""
+    pytest.fail(f"the served job never answered /health (exit code {proc.poll()}): {out[-3000:]}")
+
+
 def test_served_stream_gets_an_error_event_when_a_rank_dies(tmp_path, model_dir):
     """`specbatch serve --distributed` under mlx.launch: kill the follower mid-stream."""
     import httpx
@@ -135,12 +152,7 @@ def test_served_stream_gets_an_error_event_when_a_rank_dies(tmp_path, model_dir)
            "--model", str(model_dir["llama"]), "--draft-model", str(model_dir["draft"]), "--peer-timeout", "30"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        for _ in range(120):
-            try:
-                httpx.get(f"http://127.0.0.1:{http}/health", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        until_healthy(proc, f"http://127.0.0.1:{http}")
         body = {"prompt": "def f(x):", "max_tokens": 1500, "stream": True, "temperature": 0}
         lines = []
         with httpx.stream("POST", f"http://127.0.0.1:{http}/v1/completions", json=body, timeout=60) as resp:
