@@ -354,6 +354,32 @@ def test_paged_attention_reads_the_pools_as_the_gathered_view(b, kv, group, leng
 
 
 @needs_kernels
+@settings(max_examples=25, deadline=None)
+@given(b=st.sampled_from([1, 3]), kv=st.sampled_from([1, 3]), group=st.integers(1, 3), length=st.integers(1, 8),
+       t=st.integers(256, 700), d=st.sampled_from([32, 64, 128]), kind=st.sampled_from(["", "causal"]),
+       seed=st.integers(0, 2**16))
+def test_attention_over_many_value_chunks_is_each_rows_decode_bits(b, kv, group, length, t, d, kind, seed):
+    """Decode and verify queries over hundreds of keys (values weighed 64 keys a chunk, the
+    sums carried between chunks): MLX's values, paged the dense call's bits, and each query
+    row the bits of that row decoded alone."""
+    rng = np.random.default_rng(seed)
+    q = mx.array(rng.standard_normal((b, kv * group, length, d)), dtype=mx.float32)
+    mask = None if kind == "" else kind
+    pools = [mx.array(rng.standard_normal((kv, 768, d)), dtype=mx.float32) for _ in range(2)]
+    blocks = [rng.permutation(768 // 16)[: (t + 15) // 16] for _ in range(b)]  # whole blocks, any order
+    slots = mx.array(np.stack([(blk[:, None] * 16 + np.arange(16)).reshape(-1)[:t] for blk in blocks]),
+                     dtype=mx.int32)  # [B, T]
+    k, v = (p[:, slots].transpose(1, 0, 2, 3) for p in pools)  # [B, Hkv, T, D]
+    dense = cpu.attention(q, k, v, 0.125, mask)
+    assert mx.allclose(dense, _sdpa_ref(q, k, v, 0.125, mask), rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(cpu.paged_attention(q, (_blocked(pools[0]), pools[1], slots), 0.125, mask), dense).item()
+    i = length - 1 if kind else 0  # a causal row sees the keys up to its own
+    seen = t - length + 1 + i if kind else t
+    alone = cpu.attention(q[:, :, i:i + 1], k[:, :, :seen], v[:, :, :seen], 0.125, None)
+    assert mx.array_equal(alone[:, :, 0], dense[:, :, i]).item()
+
+
+@needs_kernels
 def test_paged_attention_with_a_slot_outside_the_pool_gives_nan_not_a_stray_read():
     pools = mx.zeros((1, 16, 64)), mx.zeros((1, 16, 64))
     out = cpu.paged_attention(mx.zeros((1, 1, 1, 64)), (*pools, mx.array([[0, 17]], dtype=mx.int32)), 1.0, None)

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -20,15 +21,7 @@ inline float hsum(vf v) {
   return s;
 }
 
-// Keys [j0, j1) pulled in ahead of use. A paged row's keys jump to another place in the pool
-// every block, where the hardware prefetcher restarts its stream; dense keys gained ~8% too.
-constexpr int kAheadKeys = 32;
-inline void prefetch_rows(const KeyRows& k, int j0, int j1, int D, int from = 0) {
-  for (int j = j0; j < j1; ++j) {
-    const char* row = reinterpret_cast<const char*>(k.at(j) + from);
-    for (int b = 0; b < D * 4; b += 64) __builtin_prefetch(row + b);
-  }
-}
+#include "weigh_impl.h"
 
 // A blocked pool's slot s: its element d at the result + d * kBlockSlots.
 inline const float* block_key(const KeyRows& k, int32_t s, int D) {
@@ -42,81 +35,6 @@ inline void prefetch_keys(const KeyRows& k, int j0, int j1, int D) {
     const float* at = block_key(k, k.slots[j], D);
     for (int d = 0; d < D; ++d) __builtin_prefetch(at + d * kBlockSlots);
   }
-}
-
-// acc[r] = sum_j p[r][j] v[j] over the head's vectors [n0, n0 + NV) for RN rows kept in
-// registers over every key (acc rows NA vectors apart); one multiply and one add per term, in
-// key order (no contraction: -ffp-contract=off).
-template <int NV, int RN, int NA = NV>
-void weigh_rows(const float* p, int stride, const KeyRows& v, int seen, float* acc, int n0 = 0) {
-  vf sum[RN][NV] = {};
-  prefetch_rows(v, 0, std::min(seen, kAheadKeys), NV * W, n0 * W);  // this pass's vectors only
-  for (int j = 0; j < seen; ++j) {
-    if (j + kAheadKeys < seen) prefetch_rows(v, j + kAheadKeys, j + kAheadKeys + 1, NV * W, n0 * W);
-    vf vj[NV];
-    const float* vrow = v.at(j) + n0 * W;
-    for (int n = 0; n < NV; ++n) vj[n] = load(vrow + n * W);
-    for (int r = 0; r < RN; ++r) {
-      const vf pr = splat(p[static_cast<size_t>(r) * stride + j]);
-      for (int n = 0; n < NV; ++n) sum[r][n] += pr * vj[n];
-    }
-  }
-  for (int r = 0; r < RN; ++r)
-    for (int n = 0; n < NV; ++n) store(acc + r * NA * W + (n0 + n) * W, sum[r][n]);
-}
-
-// A head too wide for several rows' sums in the registers (AVX2, D = 64: 8 vectors) in slices
-// of 2 vectors against up to 6 rows: each value read once per 6 rows, not once per row, and
-// each element summed in the same order as whole rows sum it (the same bits).
-template <int NV>
-void weigh_sliced(const float* p, int stride, int rows, const KeyRows& v, int seen, float* acc) {
-  constexpr int S = 2;
-  int r = 0;
-  for (; r + 6 <= rows; r += 6)
-    for (int n0 = 0; n0 < NV; n0 += S) weigh_rows<S, 6, NV>(p + r * stride, stride, v, seen, acc + r * NV * W, n0);
-  const int left = rows - r;
-  for (int n0 = 0; left > 0 && n0 < NV; n0 += S) {
-    const float* pr = p + r * stride;
-    float* ar = acc + r * NV * W;
-    switch (left) {
-      case 5: weigh_rows<S, 5, NV>(pr, stride, v, seen, ar, n0); break;
-      case 4: weigh_rows<S, 4, NV>(pr, stride, v, seen, ar, n0); break;
-      case 3: weigh_rows<S, 3, NV>(pr, stride, v, seen, ar, n0); break;
-      case 2: weigh_rows<S, 2, NV>(pr, stride, v, seen, ar, n0); break;
-      default: weigh_rows<S, 1, NV>(pr, stride, v, seen, ar, n0);
-    }
-  }
-}
-
-template <int NV>
-void weigh_fixed(const float* p, int stride, int rows, const KeyRows& v, int seen, float* acc) {
-  constexpr int regs = W == 16 ? 32 : 16;  // rows per pass that fit the registers with the values
-  constexpr int R = (regs - NV) / NV >= 4 ? 4 : (regs - NV) / NV >= 2 ? 2 : 1;
-  if constexpr (R == 1 && NV % 2 == 0) return weigh_sliced<NV>(p, stride, rows, v, seen, acc);
-  int r = 0;
-  for (; r + R <= rows; r += R) weigh_rows<NV, R>(p + r * stride, stride, v, seen, acc + r * NV * W);
-  // the rest in one pass where it fits (a decode query group is 3 rows): each pass reads every value
-  if (R >= 4 && rows - r == 3) return weigh_rows<NV, 3>(p + r * stride, stride, v, seen, acc + r * NV * W);
-  if (R >= 2 && rows - r >= 2) weigh_rows<NV, 2>(p + r * stride, stride, v, seen, acc + r * NV * W), r += 2;
-  for (; r < rows; ++r) weigh_rows<NV, 1>(p + r * stride, stride, v, seen, acc + r * NV * W);
-}
-
-// Any head size: the same terms in the same order, through memory.
-void weigh_any(const float* p, int stride, int rows, const KeyRows& v, int seen, int D, float* acc) {
-  for (int i = 0; i < rows * D; ++i) acc[i] = 0.0f;
-  for (int j = 0; j < seen; ++j)
-    for (int r = 0; r < rows; ++r) {
-      const float pr = p[static_cast<size_t>(r) * stride + j];
-      for (int d = 0; d < D; ++d) acc[r * D + d] += pr * v.at(j)[d];
-    }
-}
-
-void weigh_values(const float* p, int stride, int rows, const KeyRows& v, int seen, int D, float* acc) {
-  if (D == 4 * W) return weigh_fixed<4>(p, stride, rows, v, seen, acc);
-  if (D == 8 * W) return weigh_fixed<8>(p, stride, rows, v, seen, acc);
-  if (D == 2 * W) return weigh_fixed<2>(p, stride, rows, v, seen, acc);
-  if (D == W) return weigh_fixed<1>(p, stride, rows, v, seen, acc);
-  weigh_any(p, stride, rows, v, seen, D, acc);
 }
 
 // Lane p of the result: a[p] where bit h of p is clear, else b[p - h] (lo); a[p + h] or
@@ -173,24 +91,37 @@ inline size_t pass_at(int r, int d, int rows, int D) {
   return static_cast<size_t>(r0) * D + static_cast<size_t>(d) * n + (r - r0);
 }
 
-// s[r][0..W) = q_r . k_(j0 ..): R query rows (q: their pass, [D][R]) in registers, one multiply
-// and one add per d.
-template <int R>
-void dot_rows(const float* q, int D, const float* kt, int ks, float* s, int stride) {
-  vf acc[R] = {};
+// s[r][i * W .. (i + 1) * W) = q_r . k_(key vector i's): R query rows (q: their pass, [D][R])
+// against K key vectors (kb[i]: [D][ks[i]]) in registers, one multiply and one add per d.
+template <int R, int K>
+void dot_rows(const float* q, int D, const float* const* kb, const int* ks, float* s, int stride) {
+  vf acc[R][K] = {};
   for (int d = 0; d < D; ++d) {
-    const vf kd = load(kt + d * ks);
-    for (int r = 0; r < R; ++r) acc[r] += splat(q[d * R + r]) * kd;
+    vf kd[K];
+    for (int i = 0; i < K; ++i) kd[i] = load(kb[i] + d * ks[i]);
+    for (int r = 0; r < R; ++r) {
+      const vf qr = splat(q[d * R + r]);
+      for (int i = 0; i < K; ++i) acc[r][i] += qr * kd[i];
+    }
   }
-  for (int r = 0; r < R; ++r) store(s + static_cast<size_t>(r) * stride, acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < K; ++i) store(s + static_cast<size_t>(r) * stride + i * W, acc[r][i]);
 }
 
+// Rows a pass takes against two key vectors at once: a decode group's 3 rows against one
+// left each add waiting on the last (3 chains of a 3-cycle add); 2 x 6 sums fit the registers.
+constexpr int kTwoKeyRows = 6;
+
+// n rows of a pass against `keys` (1 or 2) key vectors: every score the same sum either way.
 template <int R = kScoreRows>
-void dot_pass(int n, const float* q, int D, const float* kt, int ks, float* s, int stride) {
+void dot_pass(int n, int keys, const float* q, int D, const float* const* kb, const int* ks, float* s, int stride) {
   if constexpr (R > 1) {
-    if (n < R) return dot_pass<R - 1>(n, q, D, kt, ks, s, stride);
+    if (n < R) return dot_pass<R - 1>(n, keys, q, D, kb, ks, s, stride);
   }
-  dot_rows<R>(q, D, kt, ks, s, stride);
+  if constexpr (R <= kTwoKeyRows) {
+    if (keys == 2) return dot_rows<R, 2>(q, D, kb, ks, s, stride);
+  }
+  for (int i = 0; i < keys; ++i) dot_rows<R, 1>(q, D, kb + i, ks + i, s + i * W, stride);
 }
 
 // Keys j0 .. j0+n-1 as [D][ks]: a blocked pool's block itself where they are its consecutive
@@ -222,15 +153,18 @@ const float* key_block(const KeyRows& k, int j0, int n, int D, float* kt, int& k
 }
 
 // Raw scores of `rows` query rows (q in their passes' layout, `pass_at`) against keys [0, seen):
-// s [rows][stride].
+// s [rows][stride] (kt: room for two key blocks, [2][D][W]).
 void scores(const float* q, int rows, const KeyRows& k, int seen, int D, float* s, int stride, float* kt) {
   prefetch_keys(k, 0, std::min(seen, kAheadKeys), D);
-  for (int j0 = 0; j0 < seen; j0 += W) {
-    prefetch_keys(k, std::min(seen, j0 + kAheadKeys), std::min(seen, j0 + kAheadKeys + W), D);
-    int ks;
-    const float* kb = key_block(k, j0, std::min(W, seen - j0), D, kt, ks);
+  for (int j0 = 0; j0 < seen; j0 += 2 * W) {
+    prefetch_keys(k, std::min(seen, j0 + kAheadKeys), std::min(seen, j0 + kAheadKeys + 2 * W), D);
+    const int keys = j0 + W < seen ? 2 : 1;  // key vectors this step
+    int ks[2];
+    const float* kb[2];
+    for (int i = 0; i < keys; ++i)
+      kb[i] = key_block(k, j0 + i * W, std::min(W, seen - j0 - i * W), D, kt + i * D * W, ks[i]);
     for (int r = 0; r < rows; r += kScoreRows)
-      dot_pass(std::min(kScoreRows, rows - r), q + static_cast<size_t>(r) * D, D, kb, ks,
+      dot_pass(std::min(kScoreRows, rows - r), keys, q + static_cast<size_t>(r) * D, D, kb, ks,
                s + static_cast<size_t>(r) * stride + j0, stride);
   }
 }
@@ -290,7 +224,7 @@ void block(const AttentionArgs& a, int b, int hk, int i0, int n, Scratch& w) {
   w.s.resize(static_cast<size_t>(rows) * stride);
   w.q.resize(static_cast<size_t>(rows) * D);
   w.acc.resize(static_cast<size_t>(rows) * D);
-  w.kt.resize(static_cast<size_t>(D) * W);
+  w.kt.resize(static_cast<size_t>(2) * D * W);  // two key blocks
   w.inv.resize(rows);
   for (int g = 0; g < G; ++g) {
     const float* q = a.q + b * a.qs[0] + (hk * G + g) * a.qs[1] + i0 * a.qs[2];
