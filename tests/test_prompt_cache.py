@@ -113,3 +113,24 @@ def test_a_bound_too_small_for_the_prefix_skips_the_work(tiny):
     cache.warm(runner, prompts)  # the first prefill learns that nothing of this size fits
     cache.warm(runner, prompts)
     assert runner.tokens == len(SYSTEM) and len(cache) == 0
+
+
+def test_a_hits_caches_grow_without_touching_the_entry(tiny):
+    """A hit's caches are views of the entry's arrays: the forwards that extend them, and a
+    batch that takes them in, leave the entry's keys and values as they were."""
+    runner = ModelRunner(tiny.model)
+    cache = PromptCache()
+    cache.retire(SYSTEM, single(runner, SYSTEM))
+    before = [mx.array(a) for c in cache._entries[tuple(SYSTEM)].caches for a in (c.keys, c.values)]
+    mx.eval(before)
+    hit, n = cache.lookup(SYSTEM + [7, 8, 9])
+    assert n == len(SYSTEM)
+    prefill(runner, [7, 8, 9], hit)  # appends after the cached tokens
+    batch = batch_kv(len(hit), 0, "paged")
+    batch.extend(BatchKV.from_singles(hit))
+    mx.eval(batch.arrays())
+    after = [a for c in cache._entries[tuple(SYSTEM)].caches for a in (c.keys, c.values)]
+    assert all(mx.array_equal(x, y).item() for x, y in zip(before, after))
+    assert batch.lengths() == [len(SYSTEM) + 3]
+    again, _ = cache.lookup(SYSTEM + [7, 8, 9])
+    assert mx.array_equal(again[0].keys, before[0]).item()

@@ -191,11 +191,10 @@ class PagedKV(BatchKV):
             keys, values = theirs.keys, theirs.values  # [B', H, C, D]
             if keys is not None and sum(lengths):
                 mine.pools(keys.shape, values.shape, keys.dtype)
-                B2, H, C, D = keys.shape
-                src = mx.array(np.concatenate([i * C + s + np.arange(n) for i, (s, n) in
-                                               enumerate(zip(starts, lengths))]).astype(np.int32))
-                mine.kpool.write(dst, keys.transpose(0, 2, 1, 3).reshape(B2 * C, H * D)[src])
-                mine.vpool.write(dst, values.transpose(0, 2, 1, 3).reshape(B2 * C, -1)[src])
+                # written as a forward's tokens are (the kernels' in-place write): a prompt-cache
+                # hit's 1,440 tokens scattered element by element cost ~0.4 s a hit
+                mine.kpool.write_heads(dst, _token_rows(keys, starts, lengths))
+                mine.vpool.write_heads(dst, _token_rows(values, starts, lengths))
             mine.ends = mine.ends + lengths
 
     def move_tokens(self, rows: list[int], src: list[int], dst: list[int]) -> None:
@@ -230,3 +229,13 @@ def batch_kv(n_layers: int, width: int = 0, layout: str = DEFAULT_KV_LAYOUT, kv_
     if layout == "paged" or kv_bits:
         return PagedKV.empty(n_layers, width, kv_bits)
     return BatchKV.empty(n_layers, width)
+
+
+def _token_rows(x: mx.array, starts: list[int], lengths: list[int]) -> mx.array:
+    """A ragged cache's tokens ``[1, H, n, D]``, its rows one after another (one row: a slice,
+    no copy)."""
+    if len(lengths) == 1:
+        return x[:, :, starts[0]:starts[0] + lengths[0]]
+    B, H, C, D = x.shape
+    src = np.concatenate([i * C + s + np.arange(n) for i, (s, n) in enumerate(zip(starts, lengths))])
+    return mx.take(x.transpose(1, 0, 2, 3).reshape(H, B * C, D), mx.array(src.astype(np.int32)), axis=1)[None]

@@ -48,6 +48,18 @@ def _cut(caches: list[KVCache], n: int) -> list[KVCache]:
     return out
 
 
+def _view(caches: list[KVCache], n: int) -> list[KVCache]:
+    """New caches over the first ``n`` tokens of ``caches``' arrays (views, no copy: the first
+    append copies them into a buffer of its own, and an entry's buffers are never donated
+    while it holds them; a copy here cost ~70 ms a 1,440-token hit)."""
+    out = []
+    for c in caches:
+        view = KVCache()
+        view.keys, view.values, view.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+        out.append(view)
+    return out
+
+
 class PromptCache:
     """LRU of retired sequences, bounded by bytes."""
 
@@ -100,7 +112,7 @@ class PromptCache:
         self._entries.move_to_end(best.tokens)
         self.hits += 1
         self.reused_tokens += best_n
-        return _cut(best.caches, best_n), best_n
+        return _view(best.caches, best_n), best_n
 
     def warm(self, runner, prompts: list[list[int]]) -> None:
         """Prefill, once, each prefix that arriving ``prompts`` share with one another and
