@@ -20,8 +20,9 @@ against MLX's own ops (what mlx-lm runs), on the same loaded model, in one run.
   every case in turn within each repeat, and what each step reaches of the bound;
 - the engine's own width-1 plain decode, steady state (ms a token after the first: the
   forward, its sampling and the host's work between tokens), against the same bound;
-- time to first token of a ~1,400-token chat prompt: our engine (chunked prefill) against
-  mlx-lm's ``stream_generate`` on MLX's ops (float32 weights).
+- time to first token of a ~1,400-token chat prompt and the width-1 decode after it (48 tokens,
+  attention over ~1,450 keys): our engine (chunked prefill) against mlx-lm's ``stream_generate``
+  on MLX's ops (float32 weights).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ...runtime.params import SamplingParams
 from .harness import code_prompts
 
 CONTEXT = 128
+LONG_DECODE_TOKENS = 48  # decoded after the long prompt, each system
 SHAPES = [(1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (1, 16), (4, 1), (8, 1), (16, 1), (4, 5)]  # (rows, positions)
 
 
@@ -102,20 +104,29 @@ def forward_times(model, shapes: list[tuple[int, int]], repeats: int, mlx_ops: b
     return {case: statistics.median(ts[2:]) * 1e3 for case, ts in times.items()}
 
 
-def ttft_s(ctx, engine, prompt: list[int]) -> dict:
-    """Time to first token of ``prompt`` on ``engine`` (plain) and on mlx-lm's ``stream_generate``."""
+def long_prompt(ctx, engine, prompt: list[int], tokens: int = LONG_DECODE_TOKENS) -> dict:
+    """Time to first token of ``prompt`` and the decode after it (ms a token past the first,
+    end of sequence masked), on ``engine`` (plain) and on mlx-lm's ``stream_generate`` (MLX's ops,
+    float32 weights), interleaved per repeat; medians."""
     from mlx_lm.generate import stream_generate
-    ours, theirs = [], []
+    eos = mx.array(np.isin(np.arange(ctx.target.vocab_size), list(ctx.target.tokenizer.eos_token_ids)))
+    no_eos = lambda _, logits: mx.where(eos, -mx.inf, logits)  # noqa: E731
+    runs = {"specbatch": [], "mlx_lm": []}
     for _ in range(max(1, ctx.repeats)):
         t0 = time.perf_counter()
-        handle = engine.submit(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-        handle.result(3600)
-        ours.append(time.perf_counter() - t0)
+        handle = engine.submit(prompt, SamplingParams(max_tokens=1 + tokens, ignore_eos=True))
+        runs["specbatch"].append([t0] + [time.perf_counter() for event in handle if event.token is not None])
         with cpu.disabled():
             t0 = time.perf_counter()
-            next(iter(stream_generate(ctx.mlx_lm_model, ctx.target.tokenizer, prompt, max_tokens=1)))
-            theirs.append(time.perf_counter() - t0)
-    return {"specbatch_s": statistics.median(ours), "mlx_lm_s": statistics.median(theirs)}
+            stamps = [time.perf_counter() for _ in stream_generate(ctx.mlx_lm_model, ctx.target.tokenizer, prompt,
+                                                                   max_tokens=1 + tokens, logits_processors=[no_eos])]
+            runs["mlx_lm"].append([t0] + stamps)
+    out = {}
+    for system, stamps in runs.items():
+        out[f"{system}_ttft_s"] = statistics.median(s[1] - s[0] for s in stamps)
+        out[f"{system}_decode_ms"] = statistics.median((s[-1] - s[1]) / (len(s) - 2) * 1e3 for s in stamps)
+        out[f"{system}_tokens"] = min(len(s) - 1 for s in stamps)  # every run's whole count: none ended early
+    return out
 
 
 def decode_ms(ctx, engine, prompt: list[int], tokens: int = 96) -> float:
@@ -162,9 +173,12 @@ def suite_kernels(ctx) -> dict:
                  "fraction_of_read_bound": read_bound_ms / decode})
     from .long import long_prompts
     prompt = long_prompts(ctx.target.tokenizer, 1400, 1)[0]
-    ttft = ttft_s(ctx, engine, prompt)
-    rows.append({"rows": 1, "positions": len(prompt), "ttft_specbatch_s": ttft["specbatch_s"],
-                 "ttft_mlx_lm_s": ttft["mlx_lm_s"], "speedup": ttft["mlx_lm_s"] / ttft["specbatch_s"]})
+    long = long_prompt(ctx, engine, prompt)
+    rows.append({"rows": 1, "positions": len(prompt), "ttft_specbatch_s": long["specbatch_ttft_s"],
+                 "ttft_mlx_lm_s": long["mlx_lm_ttft_s"], "speedup": long["mlx_lm_ttft_s"] / long["specbatch_ttft_s"]})
+    rows.append({"rows": 1, "positions": 1, "context": len(prompt), "engine_decode_ms": long["specbatch_decode_ms"],
+                 "mlx_lm_decode_ms": long["mlx_lm_decode_ms"],
+                 "speedup": long["mlx_lm_decode_ms"] / long["specbatch_decode_ms"]})
     return {"kernels": {"active": state.active, "isa": state.isa, "why": state.why},
             "weight_bytes": total, "weight_bytes_stored": stored,
             "weight_dtypes": sorted({str(w.dtype) for w in _matrices(model)}),
