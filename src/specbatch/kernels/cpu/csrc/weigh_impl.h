@@ -70,24 +70,23 @@ void weigh_sliced(const float* p, int stride, int rows, const KeyRows& v, int se
   }
 }
 
+// RN rows over every key, whole rows prefetched.
+template <int NV, int RN>
+void weigh_whole(const float* p, int stride, const KeyRows& v, int seen, float* acc) {
+  weigh_rows<NV, RN>(p, stride, v, 0, seen, seen, acc, 0, NV * W, false);
+}
+
 template <int NV>
 void weigh_fixed(const float* p, int stride, int rows, const KeyRows& v, int seen, float* acc) {
   constexpr int regs = W == 16 ? 32 : 16;  // rows per pass that fit the registers with the values
   constexpr int R = (regs - NV) / NV >= 4 ? 4 : (regs - NV) / NV >= 2 ? 2 : 1;
-  if constexpr (R == 1) {
-    return weigh_sliced<NV>(p, stride, rows, v, seen, acc);
-  } else {
-    int r = 0;
-    const auto pass = [&](auto rn) {  // rn rows from r, every key, whole rows prefetched
-      weigh_rows<NV, decltype(rn)::value>(p + r * stride, stride, v, 0, seen, seen, acc + r * NV * W, 0, NV * W, false);
-      r += decltype(rn)::value;
-    };
-    while (r + R <= rows) pass(std::integral_constant<int, R>{});
-    // the rest in one pass where it fits (a decode query group is 3 rows): each pass reads every value
-    if (R >= 4 && rows - r == 3) return pass(std::integral_constant<int, 3>{});
-    if (R >= 2 && rows - r >= 2) pass(std::integral_constant<int, 2>{});
-    while (r < rows) pass(std::integral_constant<int, 1>{});
-  }
+  if constexpr (R == 1) return weigh_sliced<NV>(p, stride, rows, v, seen, acc);
+  int r = 0;
+  for (; r + R <= rows; r += R) weigh_whole<NV, R>(p + r * stride, stride, v, seen, acc + r * NV * W);
+  // the rest in one pass where it fits (a decode query group is 3 rows): each pass reads every value
+  if (R >= 4 && rows - r == 3) return weigh_whole<NV, 3>(p + r * stride, stride, v, seen, acc + r * NV * W);
+  if (R >= 2 && rows - r >= 2) weigh_whole<NV, 2>(p + r * stride, stride, v, seen, acc + r * NV * W), r += 2;
+  for (; r < rows; ++r) weigh_whole<NV, 1>(p + r * stride, stride, v, seen, acc + r * NV * W);
 }
 
 // Any head size: the same terms in the same order, through memory.
