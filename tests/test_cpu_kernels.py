@@ -423,6 +423,10 @@ def test_paged_write_stores_rows_as_the_scatter_does(b, h, n, d, seed):
     assert mx.array_equal(cpu.paged_write(pool, slots, rows), expected).item()
     # a key pool's 16-slot blocks: the same rows where its blocked layout puts them
     assert mx.array_equal(cpu.paged_write(_blocked(pool), slots, rows, blocked=True), _blocked(expected)).item()
+    # rows sliced out of a larger buffer (a cache's tokens: strided, read in place)
+    buffer = mx.array(rng.standard_normal((b, h, n + 5, d)), dtype=mx.float32)
+    buffer[:, :, 2:2 + n] = rows
+    assert mx.array_equal(cpu.paged_write(pool, slots, buffer[:, :, 2:2 + n]), expected).item()
 
 
 @needs_kernels

@@ -80,24 +80,6 @@ mx::array paged_attention(const mx::array& q, const mx::array& k_pool, const mx:
 }
 
 namespace {
-// The head dimension must be contiguous for the kernels; anything else is copied first.
-const float* rows_of(const mx::array& a, std::vector<float>& copy, int64_t* strides) {
-  if (a.strides(3) == 1) {
-    for (int i = 0; i < 3; ++i) strides[i] = a.strides(i);
-    return a.data<float>();
-  }
-  const int n0 = a.shape(0), n1 = a.shape(1), n2 = a.shape(2), n3 = a.shape(3);
-  copy.resize(static_cast<size_t>(n0) * n1 * n2 * n3);
-  const float* src = a.data<float>();
-  size_t at = 0;
-  for (int i = 0; i < n0; ++i)
-    for (int j = 0; j < n1; ++j)
-      for (int l = 0; l < n2; ++l)
-        for (int d = 0; d < n3; ++d)
-          copy[at++] = src[i * a.strides(0) + j * a.strides(1) + l * a.strides(2) + d * a.strides(3)];
-  strides[0] = static_cast<int64_t>(n1) * n2 * n3, strides[1] = static_cast<int64_t>(n2) * n3, strides[2] = n3;
-  return copy.data();
-}
 bool slots_in_range(const int32_t* slots, int64_t n, int64_t rows) {
   for (int64_t i = 0; i < n; ++i)
     if (slots[i] < 0 || slots[i] >= rows) return false;

@@ -55,18 +55,20 @@ void PagedWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
     }
     std::vector<int32_t> sc;
     std::vector<float> xc;
-    paged_rows(row_major(rows, xc), row_major(slots, sc), B, H, N, D, P, y, blocked);
+    int64_t xs[3];  // rows read in place where D is contiguous (a cache's tokens sliced out of its buffer)
+    const float* x = rows_of(rows, xc, xs);
+    paged_rows(x, xs, row_major(slots, sc), B, H, N, D, P, y, blocked);
   });
 }
 
-void paged_rows(const float* x, const int32_t* slots, int B, int H, int N, int D, int64_t P, float* pool,
-                bool blocked) {
+void paged_rows(const float* x, const int64_t* xs, const int32_t* slots, int B, int H, int N, int D, int64_t P,
+                float* pool, bool blocked) {
   for (int b = 0; b < B; ++b)
     for (int n = 0; n < N; ++n) {
       const int64_t slot = slots[b * N + n];
       if (slot < 0 || slot >= P) continue;
       for (int h = 0; h < H; ++h) {
-        const float* row = x + ((static_cast<int64_t>(b) * H + h) * N + n) * D;
+        const float* row = x + b * xs[0] + h * xs[1] + n * xs[2];
         if (!blocked) {
           std::memcpy(pool + (h * P + slot) * D, row, D * sizeof(float));
           continue;

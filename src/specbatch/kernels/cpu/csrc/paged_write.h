@@ -23,9 +23,10 @@ constexpr int kBlockSlots = 16;
 mx::array paged_write(const mx::array& pool, const mx::array& slots, const mx::array& rows, bool blocked = false);
 
 // The write on rows in memory (the op's task; each layer of the decoder stack): x [B, H, N, D]
-// into pool [H, P, D] (each head's slots in a row, blocked or not) at slots [B * N].
-void paged_rows(const float* x, const int32_t* slots, int B, int H, int N, int D, int64_t P, float* pool,
-                bool blocked);
+// (xs: its [B, H, N] strides, D contiguous) into pool [H, P, D] (each head's slots in a row,
+// blocked or not) at slots [B * N].
+void paged_rows(const float* x, const int64_t* xs, const int32_t* slots, int B, int H, int N, int D, int64_t P,
+                float* pool, bool blocked);
 
 // How many writes so far had to copy their pool (a held reference kept it from donation); a
 // decoder stack counts its pools' copies here too.

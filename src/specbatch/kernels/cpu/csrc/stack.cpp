@@ -210,8 +210,9 @@ void DecoderStack::run(const std::vector<mx::array>& in, const std::vector<float
     const int64_t P = paged_ ? buffer.shape(1) : 0;  // paged: a head's pool slots
     const int C = paged_ ? 0 : buffer.shape(2);  // dense: the buffer's columns
     if (paged_) {
-      paged_rows(k.data(), ws, l.B, l.Hkv, l.L, l.D, P, kp, true);
-      paged_rows(v.data(), ws, l.B, l.Hkv, l.L, l.D, P, vp, false);
+      const int64_t xs[3] = {static_cast<int64_t>(l.Hkv) * l.L * l.D, static_cast<int64_t>(l.L) * l.D, l.D};
+      paged_rows(k.data(), xs, ws, l.B, l.Hkv, l.L, l.D, P, kp, true);
+      paged_rows(v.data(), xs, ws, l.B, l.Hkv, l.L, l.D, P, vp, false);
     } else {
       dense_rows(k.data(), l.B, l.Hkv, l.L, l.D, C, start_, kp);
       dense_rows(v.data(), l.B, l.Hkv, l.L, l.D, C, start_, vp);

@@ -31,4 +31,16 @@ const T* row_major(const mx::array& a, std::vector<T>& copy) {
   return copy.data();
 }
 
+// A [n0, n1, n2, D] array's rows where D is contiguous: its own buffer and its first three
+// strides; anything else copied row-major first (strides of the copy).
+inline const float* rows_of(const mx::array& a, std::vector<float>& copy, int64_t* strides) {
+  if (a.strides(3) == 1) {
+    for (int i = 0; i < 3; ++i) strides[i] = a.strides(i);
+    return a.data<float>();
+  }
+  const int n1 = a.shape(1), n2 = a.shape(2), n3 = a.shape(3);
+  strides[0] = static_cast<int64_t>(n1) * n2 * n3, strides[1] = static_cast<int64_t>(n2) * n3, strides[2] = n3;
+  return row_major(a, copy);
+}
+
 }  // namespace specbatch
