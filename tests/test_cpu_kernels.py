@@ -53,8 +53,11 @@ def test_a_narrowed_pool_gives_the_same_bits_and_releases_its_cap():
     ext = cpu.extension()
     x, w = mx.random.normal((3, 4, 200)), mx.random.normal((700, 200))  # enough columns to split
     q, kv = mx.random.normal((2, 3, 5, 64)), mx.random.normal((2, 1, 40, 64))
+    # a decode over 3 KV heads and 3 key chunks: two threads split the middle head's chunks
+    q1, k1, v1 = mx.random.normal((1, 9, 1, 64)), mx.random.normal((1, 3, 300, 64)), mx.random.normal((1, 3, 300, 64))
     def run():
-        out = [ext.small_linear(x, w), cpu.attention(q, kv, kv, 0.125, "causal"), cpu.swiglu(w, w)]
+        out = [ext.small_linear(x, w), cpu.attention(q, kv, kv, 0.125, "causal"), cpu.swiglu(w, w),
+               cpu.attention(q1, k1, v1, 0.125, None)]
         mx.eval(out)
         return out
     threads, want = ext.threads(), run()
@@ -359,9 +362,9 @@ def test_paged_attention_reads_the_pools_as_the_gathered_view(b, kv, group, leng
        t=st.integers(256, 700), d=st.sampled_from([32, 64, 128]), kind=st.sampled_from(["", "causal"]),
        seed=st.integers(0, 2**16))
 def test_attention_over_many_value_chunks_is_each_rows_decode_bits(b, kv, group, length, t, d, kind, seed):
-    """Decode and verify queries over hundreds of keys (values weighed 64 keys a chunk, the
-    sums carried between chunks): MLX's values, paged the dense call's bits, and each query
-    row the bits of that row decoded alone."""
+    """Decode and verify queries over hundreds of keys (softmax chunks of 128 keys folded in
+    key order, a row's chunks split over the threads): MLX's values, paged the dense call's
+    bits, each query row the bits of that row decoded alone, and on one thread the same bits."""
     rng = np.random.default_rng(seed)
     q = mx.array(rng.standard_normal((b, kv * group, length, d)), dtype=mx.float32)
     mask = None if kind == "" else kind
@@ -377,6 +380,8 @@ def test_attention_over_many_value_chunks_is_each_rows_decode_bits(b, kv, group,
     seen = t - length + 1 + i if kind else t
     alone = cpu.attention(q[:, :, i:i + 1], k[:, :, :seen], v[:, :, :seen], 0.125, None)
     assert mx.array_equal(alone[:, :, 0], dense[:, :, i]).item()
+    with cpu.narrowed():
+        assert mx.array_equal(cpu.attention(q, k, v, 0.125, mask), dense).item()
 
 
 @needs_kernels

@@ -136,19 +136,85 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   });
 }
 
+// The call's work cut into contiguous ranges of equal work, one a pool thread: a unit is one key
+// chunk of one task (query rows x keys, in task order), so a range may begin or end inside a
+// task. A decode's 3 KV heads on two threads split 1 : 2 by tasks; a causal prefill's late
+// blocks see several times the keys of its early ones. A task split so keeps each chunk's
+// sums apart (`partials`), folded after the pass.
+struct Plan {
+  int parts;                   // threads with work: the pool's, or fewer where units are fewer
+  std::vector<int64_t> first;  // task t's units: [first[t], first[t + 1])
+  std::vector<int64_t> cuts;   // part p's units: [cuts[p], cuts[p + 1])
+  std::vector<int64_t> split;  // the tasks a cut falls inside
+  std::vector<size_t> at;      // where each split task's partials begin in `partials`
+  std::vector<float> partials;
+};
+
+static void plan(const AttentionArgs& a, int qb, int64_t tasks, int threads, Plan& p) {
+  const int blocks = (a.L + qb - 1) / qb, G = a.Hq / a.Hkv;
+  p.first.assign(tasks + 1, 0);
+  int64_t total = 0;  // work: query rows x chunks
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int i0 = static_cast<int>(t % blocks) * qb, n = std::min(qb, a.L - i0);
+    const int seen = a.causal ? a.T - a.L + i0 + n : a.T;
+    p.first[t + 1] = p.first[t] + (seen + kChunkKeys - 1) / kChunkKeys;
+    total += static_cast<int64_t>(n) * (p.first[t + 1] - p.first[t]);
+  }
+  const int parts = p.parts = static_cast<int>(std::min<int64_t>(threads, p.first[tasks]));
+  p.cuts.assign(parts + 1, p.first[tasks]);
+  p.split.clear(), p.at.clear();
+  size_t floats = 0;
+  int64_t t = 0, done = 0;  // work before task t
+  for (int part = 0; part < parts; ++part) {
+    const int64_t goal = total * part / parts;
+    for (;; ++t) {
+      const int n = std::min(qb, a.L - static_cast<int>(t % blocks) * qb);
+      const int64_t work = static_cast<int64_t>(n) * (p.first[t + 1] - p.first[t]);
+      if (done + work > goal) {
+        const int64_t c = (goal - done + n / 2) / n;  // whole chunks of task t before the cut
+        p.cuts[part] = p.first[t] + c;
+        if (c > 0 && c < p.first[t + 1] - p.first[t] && (p.split.empty() || p.split.back() != t)) {
+          p.split.push_back(t), p.at.push_back(floats);
+          floats += static_cast<size_t>(p.first[t + 1] - p.first[t]) * G * n * (a.D + 2);  // attention_impl.h's partial_at
+        }
+        break;
+      }
+      done += work;
+    }
+  }
+  p.partials.resize(floats);
+}
+
 void attention_run(const AttentionArgs& a) {
   const int qb = query_block(a.L);
   const int64_t tasks = static_cast<int64_t>(a.B) * a.Hkv * ((a.L + qb - 1) / qb);
   if (tasks == 0 || a.T == 0) return;
-  auto kernel = detect_isa() == Isa::avx512 ? attention_avx512 : attention_avx2;
-  auto& p = pool();
-  const int parts = static_cast<int>(std::min<int64_t>(p.size(), tasks));
-  // contiguous task ranges: a row's KV heads share its pool rows (and cache lines the
-  // hardware prefetcher pulled for a neighbour head), so one core takes them in turn
-  p.run([&](int part) {
+  const bool wide = detect_isa() == Isa::avx512;
+  auto kernel = wide ? attention_avx512 : attention_avx2;
+  auto& pl = pool();
+  static thread_local Plan held;  // the caller's: a lambda names the worker's own thread_local
+  Plan& p = held;
+  plan(a, qb, tasks, pl.size(), p);
+  const int parts = p.parts;
+  auto partials = [&](int64_t t) {
+    const size_t i = std::find(p.split.begin(), p.split.end(), t) - p.split.begin();
+    return p.partials.data() + p.at[i];
+  };
+  // contiguous ranges: a row's KV heads share its pool rows (and cache lines the hardware
+  // prefetcher pulled for a neighbour head), so one core takes them in turn
+  pl.run([&](int part) {
     if (part >= parts) return;
-    for (int64_t t = tasks * part / parts; t < tasks * (part + 1) / parts; ++t) kernel(a, t);
+    const int64_t u0 = p.cuts[part], u1 = p.cuts[part + 1];
+    for (int64_t t = std::upper_bound(p.first.begin(), p.first.end(), u0) - p.first.begin() - 1;
+         t < tasks && p.first[t] < u1; ++t) {
+      const int64_t c0 = std::max(u0, p.first[t]) - p.first[t], c1 = std::min(u1, p.first[t + 1]) - p.first[t];
+      const bool whole = c0 == 0 && c1 == p.first[t + 1] - p.first[t];
+      if (c1 > c0) kernel(a, t, static_cast<int>(c0), static_cast<int>(c1), whole ? nullptr : partials(t));
+    }
   }, parts);
+  for (int64_t t : p.split)
+    (wide ? attention_fold_avx512 : attention_fold_avx2)(a, t, static_cast<int>(p.first[t + 1] - p.first[t]),
+                                                        partials(t));
 }
 
 bool slots_valid(const int32_t* slots, int64_t n, int64_t rows) { return slots_in_range(slots, n, rows); }

@@ -1,6 +1,7 @@
 // The attention kernel body, compiled once per ISA (attention_avx2.cpp, attention_avx512.cpp)
 // with W float lanes. A query row's result is summed in one fixed order over keys 0..T-1
-// whatever block, batch or thread it falls in: masked keys add exact zeros.
+// whatever block, batch or thread it falls in: chunks of kChunkKeys keys at fixed positions,
+// each with its own softmax, folded in key order; masked keys add exact zeros.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -13,13 +14,6 @@ namespace specbatch {
 namespace {
 
 #include "vmath_impl.h"
-
-inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
-}
-
 #include "weigh_impl.h"
 
 // A blocked pool's slot s: its element d at the result + d * kBlockSlots.
@@ -151,108 +145,208 @@ const float* key_block(const KeyRows& k, int j0, int n, int D, float* kt, int& k
   return kt;
 }
 
-// Raw scores of `rows` query rows (q in their passes' layout, `pass_at`) against keys [0, seen):
-// s [rows][stride] (kt: room for two key blocks, [2][D][W]).
-void scores(const float* q, int rows, const KeyRows& k, int seen, int D, float* s, int stride, float* kt) {
-  prefetch_keys(k, 0, std::min(seen, kAheadKeys), D);
-  for (int j0 = 0; j0 < seen; j0 += 2 * W) {
-    prefetch_keys(k, std::min(seen, j0 + kAheadKeys), std::min(seen, j0 + kAheadKeys + 2 * W), D);
-    const int keys = j0 + W < seen ? 2 : 1;  // key vectors this step
+// Raw scores of `rows` query rows (q in their passes' layout, `pass_at`) against keys [j0, j1):
+// s [rows][stride] from j0 (kt: room for two key blocks, [2][D][W]).
+void scores(const float* q, int rows, const KeyRows& k, int j0, int j1, int D, float* s, int stride, float* kt) {
+  prefetch_keys(k, j0, std::min(j1, j0 + kAheadKeys), D);
+  for (int j = j0; j < j1; j += 2 * W) {
+    prefetch_keys(k, std::min(j1, j + kAheadKeys), std::min(j1, j + kAheadKeys + 2 * W), D);
+    const int keys = j + W < j1 ? 2 : 1;  // key vectors this step
     int ks[2];
     const float* kb[2];
     for (int i = 0; i < keys; ++i)
-      kb[i] = key_block(k, j0 + i * W, std::min(W, seen - j0 - i * W), D, kt + i * D * W, ks[i]);
+      kb[i] = key_block(k, j + i * W, std::min(W, j1 - j - i * W), D, kt + i * D * W, ks[i]);
     for (int r = 0; r < rows; r += kScoreRows)
       dot_pass(std::min(kScoreRows, rows - r), keys, q + static_cast<size_t>(r) * D, D, kb, ks,
-               s + static_cast<size_t>(r) * stride + j0, stride);
+               s + static_cast<size_t>(r) * stride + j - j0, stride);
   }
 }
 
-// softmax in place over one row's keys [0, stride): masked and padding keys exactly zero;
-// returns 1 / the row's sum (0 for a fully masked row).
-float softmax_row(float* sr, int seen, int stride, int limit, const bool* m, int64_t mstride, float scale) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  float top = neg_inf;
-  if (m) {
-    for (int j = 0; j < seen; ++j) {
-      const bool keep = j < limit && m[j * mstride];
-      sr[j] = keep ? sr[j] * scale : neg_inf;
-      top = sr[j] > top ? sr[j] : top;
-    }
-    for (int j = seen; j < stride; ++j) sr[j] = neg_inf;
-  } else {  // no mask array (decode, causal verify and prefill): the same values a vector at a time
-    const int end = limit < seen ? limit : seen;
-    vi lane;
-    for (int l = 0; l < W; ++l) lane[l] = l;
-    vf tops = splat(neg_inf);
-    for (int j = 0; j < stride; j += W) {
-      const vf x = (lane + j) < end ? load(sr + j) * scale : splat(neg_inf);
-      store(sr + j, x);
-      tops = x > tops ? x : tops;
-    }
-    for (int l = 0; l < W; ++l) top = tops[l] > top ? tops[l] : top;  // a max: any order, the same value
+const float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Lanes halved in a fixed tree (a sequential sum's chain of adds held each chunk's exps back).
+inline float tree_sum(vf v) {
+  float t[W];
+  store(t, v);
+  for (int h = W / 2; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) t[i] += t[i + h];
+  return t[0];
+}
+
+inline float tree_max(vf v) {
+  float t[W];
+  store(t, v);
+  for (int h = W / 2; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) t[i] = t[i + h] > t[i] ? t[i + h] : t[i];
+  return t[0];
+}
+
+// A row's chunk scaled in place, masked keys (j >= limit, or the mask's false) -inf; returns the
+// chunk's most (-inf where every key is masked).
+float chunk_scale(float* sr, int j0, int j1, int limit, const bool* m, int64_t mstride, float scale) {
+  const int width = (j1 - j0 + W - 1) / W * W, end = std::min(limit, j1) - j0;  // keys [j0, j0 + end) seen
+  vi lane;
+  for (int l = 0; l < W; ++l) lane[l] = l;
+  vf tops = splat(kNegInf);
+  for (int j = 0; j < width; j += W) {
+    vf x = (lane + j) < end ? load(sr + j) * scale : splat(kNegInf);
+    if (m)
+      for (int l = 0; l < W && j + l < end; ++l) x[l] = m[(j0 + j + l) * mstride] ? x[l] : kNegInf;
+    store(sr + j, x);
+    tops = x > tops ? x : tops;
+  }
+  return tree_max(tops);
+}
+
+// p = exp(x - top) in place over a scaled chunk (masked keys exact zeros); returns the p's sum.
+float chunk_exp(float* sr, int width, float top) {
+  if (top == kNegInf) {
+    for (int j = 0; j < width; ++j) sr[j] = 0.0f;
+    return 0.0f;
   }
   vf sum = vf{};
-  for (int j = 0; j < stride; j += W) {
-    vf x = load(sr + j);
+  for (int j = 0; j < width; j += W) {
+    const vf x = load(sr + j);
     vf p = exp_neg(x - top);
-    p = x == splat(neg_inf) ? vf{} : p;  // exactly zero: masked keys change no sum
+    p = x == splat(kNegInf) ? vf{} : p;  // exactly zero: masked keys change no sum
     store(sr + j, p);
     sum += p;
   }
-  const float total = hsum(sum);
-  return top == neg_inf || total == 0.0f ? 0.0f : 1.0f / total;
+  return tree_sum(sum);
 }
 
+// Rows' running sums (most rm, sum rl, weighed values tot [rows][D]) with their next chunk's
+// (cm, cl, a [rows][D]) folded in, chunk by chunk in key order whichever thread computed which:
+// the online softmax at fixed chunks. Rows that saw nothing yet or in the chunk weigh zero; the
+// rescales take one vector exp for W rows (a prefill block folds ~100 rows a chunk).
+void fold(int rows, int D, float* rm, float* rl, float* tot, const float* cm, const float* cl, const float* a) {
+  for (int r0 = 0; r0 < rows; r0 += W) {
+    const int n = std::min(W, rows - r0);
+    vf m0 = splat(kNegInf), m1 = splat(kNegInf);
+    for (int l = 0; l < n; ++l) m0[l] = rm[r0 + l], m1[l] = cm[r0 + l];
+    const vf top = m0 > m1 ? m0 : m1;
+    const vf x = m0 == splat(kNegInf) ? vf{} : exp_neg(m0 - top), y = m1 == splat(kNegInf) ? vf{} : exp_neg(m1 - top);
+    for (int l = 0; l < n; ++l) {
+      const int r = r0 + l;
+      rm[r] = top[l], rl[r] = rl[r] * x[l] + cl[r] * y[l];
+      float* t = tot + static_cast<size_t>(r) * D;
+      const float* c = a + static_cast<size_t>(r) * D;
+      int d = 0;
+      for (; d + W <= D; d += W) store(t + d, load(t + d) * x[l] + load(c + d) * y[l]);
+      for (; d < D; ++d) t[d] = t[d] * x[l] + c[d] * y[l];
+    }
+  }
+}
+
+// A split task's chunk c (of `rows` query rows): its rows' most [rows], sum [rows] and weighed
+// values [rows][D], kept for the fold after the pass.
+inline size_t partial_at(int c, int rows, int D) { return static_cast<size_t>(c) * rows * (D + 2); }
+
 struct Scratch {
-  std::vector<float> s, q, acc, kt, inv;
+  std::vector<float> s, q, acc, tot, kt, rm, rl, cm, cl;
+  void start(int rows, int D) {  // a task's running sums: nothing seen
+    rm.assign(rows, kNegInf), rl.assign(rows, 0.0f), tot.assign(static_cast<size_t>(rows) * D, 0.0f);
+    cm.resize(rows), cl.resize(rows), acc.resize(static_cast<size_t>(rows) * D);
+  }
 };
 
-// One block of query positions [i0, i0 + n) of one (batch, KV head), for every query head
-// of its group at once (row g * n + i: head hk * G + g, position i0 + i), so each key
-// block is transposed once for all of them.
-void block(const AttentionArgs& a, int b, int hk, int i0, int n, Scratch& w) {
-  const int G = a.Hq / a.Hkv, D = a.D, rows = G * n;
+// What one block of a task sees: its rows, their keys and values, where its causal limit lies.
+struct Block {
+  int rows, n, shift, seen;
+  KeyRows k, v;
+};
+
+Block block_of(const AttentionArgs& a, int b, int hk, int i0, int n) {
   const int32_t* slots = a.slots ? a.slots + b * a.slot_stride : nullptr;
   const int64_t tail = b * a.ts[0] + hk * a.ts[1];
-  const KeyRows k{a.k + b * a.ks[0] + hk * a.ks[1], a.ks[2], slots, a.tk + tail, D, a.split, a.blocked && slots};
-  const KeyRows v{a.v + b * a.vs[0] + hk * a.vs[1], a.vs[2], slots, a.tv + tail, D, a.split};
+  const KeyRows k{a.k + b * a.ks[0] + hk * a.ks[1], a.ks[2], slots, a.tk + tail, a.D, a.split, a.blocked && slots};
+  const KeyRows v{a.v + b * a.vs[0] + hk * a.vs[1], a.vs[2], slots, a.tv + tail, a.D, a.split};
   const int shift = a.T - a.L;  // causal: query i sees keys j <= shift + i
-  const int seen = a.causal ? shift + i0 + n : a.T;  // keys any row of the block sees
-  const int stride = (seen + W - 1) / W * W;
+  return {a.Hq / a.Hkv * n, n, shift, a.causal ? shift + i0 + n : a.T, k, v};  // seen: keys any row sees
+}
+
+// Row r's output (head hk * G + r / n, position i0 + r % n): acc / sum, zero where nothing was seen.
+void write_row(const AttentionArgs& a, int b, int hk, int i0, int n, int r, float m, float l, const float* acc) {
+  const int g = r / n, i = r % n;
+  float* out = a.out + b * a.os[0] + (hk * (a.Hq / a.Hkv) + g) * a.os[1] + (i0 + i) * a.os[2];
+  const float inv = m == kNegInf || l == 0.0f ? 0.0f : 1.0f / l;
+  for (int d = 0; d < a.D; ++d) out[d] = acc[d] * inv;
+}
+
+// Chunks [c0, c1) of one block of query positions [i0, i0 + n) of one (batch, KV head), for every
+// query head of its group at once (row g * n + i: head hk * G + g, position i0 + i), so each key
+// block is transposed once for all of them. Folded and written out (partials null), or each
+// chunk's sums kept in `partials` for the fold after the pass (a task split over threads).
+void block(const AttentionArgs& a, int b, int hk, int i0, int n, int c0, int c1, float* partials, Scratch& w) {
+  const Block blk = block_of(a, b, hk, i0, n);
+  const int G = a.Hq / a.Hkv, D = a.D, rows = blk.rows;
+  // every chunk's scores first, then each chunk's softmax and values: the keys, then the values,
+  // each read in one stream as before the chunks
+  const int first = c0 * kChunkKeys, last = std::min(blk.seen, c1 * kChunkKeys);
+  const int stride = (last - first + W - 1) / W * W;
   w.s.resize(static_cast<size_t>(rows) * stride);
   w.q.resize(static_cast<size_t>(rows) * D);
-  w.acc.resize(static_cast<size_t>(rows) * D);
   w.kt.resize(static_cast<size_t>(2) * D * W);  // two key blocks
-  w.inv.resize(rows);
+  w.start(rows, D);
   for (int g = 0; g < G; ++g) {
     const float* q = a.q + b * a.qs[0] + (hk * G + g) * a.qs[1] + i0 * a.qs[2];
     for (int i = 0; i < n; ++i)
       for (int d = 0; d < D; ++d) w.q[pass_at(g * n + i, d, rows, D)] = q[i * a.qs[2] + d];
   }
-  scores(w.q.data(), rows, k, seen, D, w.s.data(), stride, w.kt.data());
-  for (int r = 0; r < rows; ++r) {
-    const int i = r % n;
-    const int limit = a.causal ? shift + i0 + i + 1 : a.T;
-    const bool* m = a.mask ? a.mask + b * a.ms[0] + (i0 + i) * a.ms[1] : nullptr;
-    w.inv[r] = softmax_row(w.s.data() + static_cast<size_t>(r) * stride, seen, stride, limit, m, a.ms[2], a.scale);
+  scores(w.q.data(), rows, blk.k, first, last, D, w.s.data(), stride, w.kt.data());
+  prefetch_rows(blk.v, first, std::min(last, first + kAheadKeys), D);
+  for (int c = c0; c < c1; ++c) {
+    const int j0 = c * kChunkKeys, j1 = std::min(last, j0 + kChunkKeys);
+    float* s = w.s.data() + (j0 - first);
+    for (int r = 0; r < rows; ++r) {  // every row's most, then every row's exps: rows overlap
+      const int i = r % n;
+      const int limit = a.causal ? blk.shift + i0 + i + 1 : a.T;
+      const bool* m = a.mask ? a.mask + b * a.ms[0] + (i0 + i) * a.ms[1] : nullptr;
+      w.cm[r] = chunk_scale(s + static_cast<size_t>(r) * stride, j0, j1, limit, m, a.ms[2], a.scale);
+    }
+    for (int r = 0; r < rows; ++r)
+      w.cl[r] = chunk_exp(s + static_cast<size_t>(r) * stride, (j1 - j0 + W - 1) / W * W, w.cm[r]);
+    if (!partials) {
+      weigh_values(s, stride, rows, blk.v, j0, j1, last, D, w.acc.data());
+      fold(rows, D, w.rm.data(), w.rl.data(), w.tot.data(), w.cm.data(), w.cl.data(), w.acc.data());
+      continue;
+    }
+    float* at = partials + partial_at(c, rows, D);
+    std::copy(w.cm.begin(), w.cm.end(), at);
+    std::copy(w.cl.begin(), w.cl.end(), at + rows);
+    weigh_values(s, stride, rows, blk.v, j0, j1, last, D, at + 2 * rows);
   }
-  weigh_values(w.s.data(), stride, rows, v, seen, D, w.acc.data());
-  for (int r = 0; r < rows; ++r) {
-    const int g = r / n, i = r % n;
-    float* out = a.out + b * a.os[0] + (hk * G + g) * a.os[1] + (i0 + i) * a.os[2];
-    for (int d = 0; d < D; ++d) out[d] = w.acc[r * D + d] * w.inv[r];
-  }
+  if (!partials)
+    for (int r = 0; r < rows; ++r) write_row(a, b, hk, i0, n, r, w.rm[r], w.rl[r], w.tot.data() + static_cast<size_t>(r) * D);
+}
+
+// Task `task`'s (batch, KV head) and first query position.
+void task_at(const AttentionArgs& a, int64_t task, int& b, int& hk, int& i0, int& n) {
+  const int qb = query_block(a.L), blocks = (a.L + qb - 1) / qb;
+  const int bh = static_cast<int>(task / blocks);
+  b = bh / a.Hkv, hk = bh % a.Hkv, i0 = static_cast<int>(task % blocks) * qb, n = std::min(qb, a.L - i0);
 }
 
 }  // namespace
 
-void ATTENTION(const AttentionArgs& a, int64_t task) {
+void ATTENTION(const AttentionArgs& a, int64_t task, int c0, int c1, float* partials) {
   static thread_local Scratch scratch;
-  const int qb = query_block(a.L), blocks = (a.L + qb - 1) / qb;
-  const int bh = static_cast<int>(task / blocks), blk = static_cast<int>(task % blocks);
-  const int i0 = blk * qb;
-  block(a, bh / a.Hkv, bh % a.Hkv, i0, std::min(qb, a.L - i0), scratch);
+  int b, hk, i0, n;
+  task_at(a, task, b, hk, i0, n);
+  block(a, b, hk, i0, n, c0, c1, partials, scratch);
+}
+
+void FOLD(const AttentionArgs& a, int64_t task, int chunks, const float* partials) {
+  static thread_local Scratch w;
+  int b, hk, i0, n;
+  task_at(a, task, b, hk, i0, n);
+  const int rows = a.Hq / a.Hkv * n, D = a.D;
+  w.start(rows, D);
+  for (int c = 0; c < chunks; ++c) {
+    const float* at = partials + partial_at(c, rows, D);
+    fold(rows, D, w.rm.data(), w.rl.data(), w.tot.data(), at, at + rows, at + 2 * rows);
+  }
+  for (int r = 0; r < rows; ++r) write_row(a, b, hk, i0, n, r, w.rm[r], w.rl[r], w.tot.data() + static_cast<size_t>(r) * D);
 }
 
 }  // namespace specbatch
