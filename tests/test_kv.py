@@ -230,3 +230,23 @@ def test_a_blocked_key_pool_holds_what_a_plain_one_holds():
     assert not mx.array_equal(plain.parts[0], blocked.parts[0]).item()  # a layout of its own
     with pytest.raises(ValueError, match="whole blocks"):
         blocked.take(mx.arange(0, 8, dtype=mx.int32))
+
+
+@pytest.mark.parametrize("lengths", [[40], [40, 7], [33, 48, 1]])
+def test_a_blocked_pool_read_block_by_block_is_the_element_gathers_tokens(lengths):
+    """Rows over a block table's slots (blocks in any order, short rows padded) read from a
+    blocked key pool whole block by whole block: each row's tokens as gathered one by one."""
+    from specbatch.kernels.block_table import BlockTable
+    from specbatch.kernels.kv_pool import Pool
+
+    pool = Pool(3, 8, mx.float32, None, blocked=True)
+    pool.grow(128)
+    pool.write(mx.arange(128, dtype=mx.int32), mx.random.normal((128, 24), key=mx.random.key(3)))
+    order = np.random.default_rng(len(lengths)).permutation(8).tolist()
+    table = BlockTable([[order.pop() for _ in range(-(-n // 16))] for n in lengths])
+    index = table.gather(lengths)
+    fast, slow = pool.read(index, lengths, whole_blocks=True), pool.read(index, lengths)
+    for b, n in enumerate(lengths):
+        assert mx.array_equal(fast[b, :, :n], slow[b, :, :n]).item()
+    consecutive = mx.arange(32, 72, dtype=mx.int32)[None]  # one row over blocks 2-4: a first slot
+    assert mx.array_equal(pool.read(32, [40]), pool.read(consecutive, [40])).item()

@@ -100,12 +100,16 @@ class Pool:
         else:
             self._put(slots, x.transpose(1, 0, 2, 3).reshape(H, B * N, D))  # [H, B * N, D]
 
-    def read(self, index: mx.array | int, lengths: list[int]) -> mx.array:
-        """The rows' tokens as ``[B, H, T, D]`` (index: slots ``[B, T]`` or a first slot)."""
+    def read(self, index: mx.array | int, lengths: list[int], whole_blocks: bool = False) -> mx.array:
+        """The rows' tokens as ``[B, H, T, D]`` (index: slots ``[B, T]`` or a first slot).
+        ``whole_blocks``: each run of 16 of index's columns from a multiple of 16 lies in one
+        block, in order, as a block table's slots do (past a row's length: masked)."""
         T = max(lengths)
         # contiguous: MLX's CPU attention on a transposed view ran ~12x slower than on a copy
         # (measured [16, 3, 1504, 64]: 70 ms vs 15 ms with the copy)
         if not self.bits:
+            if self.blocked and (whole_blocks or isinstance(index, int) and index % BLOCK == 0):
+                return self._read_blocks(index, T)
             if isinstance(index, int):
                 if not self.blocked:
                     return mx.contiguous(self.parts[0][None, :, index:index + T])  # [1, H, T, D]
@@ -114,6 +118,20 @@ class Pool:
         got = [p[index:index + T][None] if isinstance(index, int) else p[index] for p in self.parts]  # [B, T, w]
         x = mx.dequantize(*got, group_size=self.group, bits=self.bits)
         return mx.contiguous(x.reshape(*x.shape[:2], self.heads, self.dim).transpose(0, 2, 1, 3))
+
+    def _read_blocks(self, index: mx.array | int, T: int) -> mx.array:
+        """``read`` of a blocked key pool over whole blocks (a first slot is a block's): each
+        16-slot block taken as it lies (a contiguous ``[D][16]``) and turned back to token rows,
+        not gathered element by element (a 1,740-token row's 30 layers: 240-320 -> ~70 ms, on
+        every finished row the prompt cache keeps)."""
+        H, D, nb = self.heads, self.dim, -(-T // BLOCK)
+        blocks = self.parts[0].reshape(H, -1, D * BLOCK)  # [H, P / 16, D * 16]
+        if isinstance(index, int):
+            taken = blocks[:, None, index // BLOCK:index // BLOCK + nb]  # [H, 1, nb, D * 16]
+        else:
+            taken = blocks[:, index[:, ::BLOCK] // BLOCK]  # [H, B, nb, D * 16]
+        rows = taken.reshape(H, -1, nb, D, BLOCK).transpose(1, 0, 2, 4, 3)  # [B, H, nb, 16, D]
+        return mx.contiguous(rows.reshape(rows.shape[0], H, nb * BLOCK, D)[:, :, :T])
 
     def move(self, src: mx.array, dst: mx.array) -> None:
         """Copy the tokens at slots ``src`` to ``dst`` (a tree's accepted path, compacted)."""

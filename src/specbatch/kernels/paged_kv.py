@@ -83,7 +83,7 @@ class PagedLayer(RaggedKVCache):
 
     def _view(self):
         index = self.table.gather(self._lengths)
-        return self.kpool.read(index, self._lengths), self.vpool.read(index, self._lengths)
+        return self.kpool.read(index, self._lengths, True), self.vpool.read(index, self._lengths, True)
 
     def paged_view(self):
         """(key pool, value pool ``[H, P, D]``, slots ``[B, T]``) for an attention kernel that
@@ -135,8 +135,8 @@ class PagedLayer(RaggedKVCache):
         sub = BlockTable([self.table.rows[row]])
         index = sub.gather([n])
         single = KVCache()
-        single.keys = mx.contiguous(self.kpool.read(index, [n]))
-        single.values = mx.contiguous(self.vpool.read(index, [n]))
+        single.keys = mx.contiguous(self.kpool.read(index, [n], True))
+        single.values = mx.contiguous(self.vpool.read(index, [n], True))
         single.offset = n
         return single
 
