@@ -83,7 +83,8 @@ class PagedLayer(RaggedKVCache):
 
     def _view(self):
         index = self.table.gather(self._lengths)
-        return self.kpool.read(index, self._lengths, True), self.vpool.read(index, self._lengths, True)
+        return (self.kpool.read(index, self._lengths, whole_blocks=True),
+                self.vpool.read(index, self._lengths, whole_blocks=True))
 
     def paged_view(self):
         """(key pool, value pool ``[H, P, D]``, slots ``[B, T]``) for an attention kernel that
@@ -135,8 +136,8 @@ class PagedLayer(RaggedKVCache):
         sub = BlockTable([self.table.rows[row]])
         index = sub.gather([n])
         single = KVCache()
-        single.keys = mx.contiguous(self.kpool.read(index, [n], True))
-        single.values = mx.contiguous(self.vpool.read(index, [n], True))
+        single.keys = mx.contiguous(self.kpool.read(index, [n], whole_blocks=True))
+        single.values = mx.contiguous(self.vpool.read(index, [n], whole_blocks=True))
         single.offset = n
         return single
 

@@ -46,7 +46,8 @@ class HeadContext:
         keys, values, mask = self.keys, self.values, self.mask
         if self.slots is not None:
             kpool, vpool = self.pools
-            keys, values = kpool.read(self.slots, [self.columns], True), vpool.read(self.slots, [self.columns], True)
+            keys = kpool.read(self.slots, [self.columns], whole_blocks=True)  # slots from the block table
+            values = vpool.read(self.slots, [self.columns], whole_blocks=True)
         if keys.shape[0] != rows:
             keys, values = (mx.broadcast_to(a, (rows, *a.shape[1:])) for a in (keys, values))
         return keys, values, mx.broadcast_to(mask, (rows, mask.shape[1]))

@@ -37,7 +37,7 @@ inline int query_block(int L) { return L > 64 ? 32 : 8; }
 // Keys a chunk: the softmax's unit. Each chunk has its own most, sum and weighed values, folded
 // in key order: chunks at fixed key positions give every path the same bits, and a row's chunks
 // can go to different threads. 128 against 64, paired in one process against the old whole-row
-// softmax: prefill blocks over 512-1,408 keys 0.89-1.03x against 0.99-1.04x, decode over
+// softmax: prefill blocks over 512-1,408 keys 0.89-1.03x against 0.99-1.04x, dense decode over
 // 512 / 1,440 keys 0.82-0.86x / 0.76-0.93x against 0.83-0.88x / 0.89-0.92x (128 keys: even).
 constexpr int kChunkKeys = 128;
 
