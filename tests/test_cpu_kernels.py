@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specbatch.kernels import cpu
-from specbatch.kernels.cpu import wide
+from specbatch.kernels.cpu import paged, wide
 from specbatch.kernels.cpu.modules import FastEmbedding, FastLinear, use_cpu_kernels
 
 needs_kernels = pytest.mark.skipif(not cpu.status().active, reason=f"CPU kernels inactive: {cpu.status().why}")
@@ -352,8 +352,8 @@ def test_paged_attention_reads_the_pools_as_the_gathered_view(b, kv, group, leng
         mask = mx.array(rng.random((b, 1, length, t)) > 0.4)
         mask[..., 0] = True
     gathered = [p[:, slots].transpose(1, 0, 2, 3) for p in (k_pool, v_pool)]  # [Hkv, B, T, D] -> [B, Hkv, T, D]
-    paged = cpu.paged_attention(q, (_blocked(k_pool), v_pool, slots), 0.125, mask)
-    assert mx.array_equal(paged, cpu.attention(q, *gathered, 0.125, mask)).item()  # same keys, same order: same bits
+    read = paged.paged_attention(q, (_blocked(k_pool), v_pool, slots), 0.125, mask)
+    assert mx.array_equal(read, cpu.attention(q, *gathered, 0.125, mask)).item()  # same keys, same order: same bits
 
 
 @needs_kernels
@@ -375,7 +375,7 @@ def test_attention_over_many_value_chunks_is_each_rows_decode_bits(b, kv, group,
     k, v = (p[:, slots].transpose(1, 0, 2, 3) for p in pools)  # [B, Hkv, T, D]
     dense = cpu.attention(q, k, v, 0.125, mask)
     assert mx.allclose(dense, _sdpa_ref(q, k, v, 0.125, mask), rtol=1e-5, atol=1e-5).item()
-    assert mx.array_equal(cpu.paged_attention(q, (_blocked(pools[0]), pools[1], slots), 0.125, mask), dense).item()
+    assert mx.array_equal(paged.paged_attention(q, (_blocked(pools[0]), pools[1], slots), 0.125, mask), dense).item()
     i = length - 1 if kind else 0  # a causal row sees the keys up to its own
     seen = t - length + 1 + i if kind else t
     alone = cpu.attention(q[:, :, i:i + 1], k[:, :, :seen], v[:, :, :seen], 0.125, None)
@@ -387,10 +387,10 @@ def test_attention_over_many_value_chunks_is_each_rows_decode_bits(b, kv, group,
 @needs_kernels
 def test_paged_attention_with_a_slot_outside_the_pool_gives_nan_not_a_stray_read():
     pools = mx.zeros((1, 16, 64)), mx.zeros((1, 16, 64))
-    out = cpu.paged_attention(mx.zeros((1, 1, 1, 64)), (*pools, mx.array([[0, 17]], dtype=mx.int32)), 1.0, None)
+    out = paged.paged_attention(mx.zeros((1, 1, 1, 64)), (*pools, mx.array([[0, 17]], dtype=mx.int32)), 1.0, None)
     assert mx.isnan(out).all().item()
     with pytest.raises(ValueError, match="multiple of 16"):  # key pools hold whole 16-slot blocks
-        cpu.paged_attention(mx.zeros((1, 1, 1, 64)), (mx.zeros((1, 8, 64)),) * 2 + (mx.zeros((1, 2), dtype=mx.int32),),
+        paged.paged_attention(mx.zeros((1, 1, 1, 64)), (mx.zeros((1, 8, 64)),) * 2 + (mx.zeros((1, 2), dtype=mx.int32),),
                             1.0, None)
 
 
@@ -409,8 +409,8 @@ def test_attention_writes_heads_merged_as_the_transpose_would(kind):
         pools = [mx.pad(x.transpose(1, 0, 2, 3).reshape(2, 18, 16), [(0, 0), (0, 14), (0, 0)])
                  for x in (k, v)]  # [Hkv, B * T (+ 14), D]
         slots = mx.arange(18, dtype=mx.int32).reshape(2, 9)
-        paged = cpu.paged_attention(q, (_blocked(pools[0]), pools[1], slots), 0.25, mask, merge_heads=True)
-        assert mx.array_equal(paged, merged).item()
+        read = paged.paged_attention(q, (_blocked(pools[0]), pools[1], slots), 0.25, mask, merge_heads=True)
+        assert mx.array_equal(read, merged).item()
 
 
 @needs_kernels
@@ -425,13 +425,13 @@ def test_paged_write_stores_rows_as_the_scatter_does(b, h, n, d, seed):
     slots = mx.array(rng.permutation(pool_rows)[:b * n], dtype=mx.int32)  # [B * N]
     expected = mx.array(pool)
     expected[:, slots] = rows.transpose(1, 0, 2, 3).reshape(h, b * n, d)
-    assert mx.array_equal(cpu.paged_write(pool, slots, rows), expected).item()
+    assert mx.array_equal(paged.paged_write(pool, slots, rows), expected).item()
     # a key pool's 16-slot blocks: the same rows where its blocked layout puts them
-    assert mx.array_equal(cpu.paged_write(_blocked(pool), slots, rows, blocked=True), _blocked(expected)).item()
+    assert mx.array_equal(paged.paged_write(_blocked(pool), slots, rows, blocked=True), _blocked(expected)).item()
     # rows sliced out of a larger buffer (a cache's tokens: strided, read in place)
     buffer = mx.array(rng.standard_normal((b, h, n + 5, d)), dtype=mx.float32)
     buffer[:, :, 2:2 + n] = rows
-    assert mx.array_equal(cpu.paged_write(pool, slots, buffer[:, :, 2:2 + n]), expected).item()
+    assert mx.array_equal(paged.paged_write(pool, slots, buffer[:, :, 2:2 + n]), expected).item()
 
 
 @needs_kernels
@@ -440,10 +440,61 @@ def test_paged_write_keeps_a_pool_still_held_and_skips_slots_outside():
     mx.eval(held)
     rows = mx.ones((1, 1, 2, 2))
     before = cpu.extension().paged_write_copies()
-    out = cpu.paged_write(held, mx.array([1, 7], dtype=mx.int32), rows)  # slot 7 is past the pool
+    out = paged.paged_write(held, mx.array([1, 7], dtype=mx.int32), rows)  # slot 7 is past the pool
     assert out.tolist() == [[[0, 0], [1, 1], [0, 0], [0, 0]]]
     assert held.tolist() == [[[0, 0]] * 4]  # still referenced here: copied, not written in place
     assert cpu.extension().paged_write_copies() == before + 1
+
+
+def _resident() -> int:
+    """This process's resident bytes."""
+    import os
+
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGESIZE")
+
+
+@needs_kernels
+@pytest.mark.parametrize("axis, shape, dtype", [(1, (3, 40, 8), mx.float32), (1, (2, 4000, 64), mx.float32),
+                                                (0, (5000, 24), mx.uint32), (0, (300, 6), mx.float16)])
+def test_pool_reserve_keeps_the_held_slots_and_zeroes_the_rest(axis, shape, dtype):
+    """Each outer index's first ``keep`` slots copied, every later slot zero, also where the
+    new buffer's memory held other numbers before (a recycled allocation) and where the
+    zeros are whole pages handed back rather than written (the larger shapes)."""
+    rng = np.random.default_rng(0)
+    old = mx.array(rng.integers(1, 1000, shape)).astype(dtype)
+    for keep, slots in ((shape[axis], 2 * shape[axis]), (shape[axis] // 3, shape[axis] + 17), (0, 64)):
+        new_shape = shape[:axis] + (slots,) + shape[axis + 1:]
+        garbage = mx.full(new_shape, 7, dtype)  # an array of the same size to free just before
+        mx.eval(garbage)
+        del garbage
+        grown = paged.pool_reserve(old, axis, slots, keep)
+        expected = np.zeros(new_shape, np.asarray(old).dtype)
+        index = (slice(None),) * axis + (slice(0, keep),)
+        expected[index] = np.asarray(old)[index]
+        assert grown.shape == new_shape and grown.dtype == dtype
+        assert np.array_equal(np.asarray(grown), expected), (keep, slots)
+
+
+@needs_kernels
+def test_pool_reserve_headroom_takes_no_memory_until_written():
+    """A 384 MB reserve over 3 held slots: the process grows by far less than the reserve."""
+    held = mx.ones((3, 3, 64))
+    mx.eval(held)
+    before = _resident()
+    grown = paged.pool_reserve(held, 1, 1 << 19, 3)  # [3, 2^19, 64] float32: 384 MB
+    mx.eval(grown)
+    assert _resident() - before < 16 << 20
+    assert grown[:, :3].tolist() == held.tolist() and grown[:, 3:].sum().item() == 0
+
+
+@needs_kernels
+def test_pool_reserve_refuses_a_keep_past_either_size():
+    with pytest.raises(ValueError, match="keep"):
+        paged.pool_reserve(mx.zeros((2, 8, 4)), 1, 16, 9)
+    with pytest.raises(ValueError, match="keep"):
+        paged.pool_reserve(mx.zeros((2, 8, 4)), 1, 4, 6)
+    with pytest.raises(ValueError, match="axis"):
+        paged.pool_reserve(mx.zeros((2, 8, 4)), 3, 16, 0)
 
 
 @needs_kernels

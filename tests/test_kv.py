@@ -122,6 +122,12 @@ def _rows(layer, lengths):
     return [(keys[b, :, :n], values[b, :, :n]) for b, n in enumerate(lengths)]
 
 
+def _held_bytes(kv) -> int:
+    """The bytes of the slots the pools hold (their arrays may reserve more: ``kv_pool.RESERVE``)."""
+    return sum(part.nbytes // part.shape[pool.axis] * pool.slots()
+               for layer in kv.layers for pool in (layer.kpool, layer.vpool) for part in pool.parts)
+
+
 @pytest.mark.parametrize("bits", [8, None])
 def test_quantized_rollback_is_exact(tiny, bits):
     """Trimming after an append gives exactly the state of never appending, per row."""
@@ -135,7 +141,7 @@ def test_quantized_rollback_is_exact(tiny, bits):
     appended = [_rows(layer, kv.lengths()) for layer in kv.layers]
     kv.trim_rows([4, 2])  # row 0 rejects all four, row 1 keeps two
     assert kv.lengths() == [held[0], held[1] + 2]
-    assert kv.nbytes == sum(a.nbytes for a in kv.arrays())  # quantized parts' bytes too
+    assert kv.nbytes == _held_bytes(kv)  # quantized parts' bytes too
     for layer, before, row_kv in zip(kv.layers, twin.layers, appended):
         (k0, v0), (k1, v1) = _rows(layer, kv.lengths())
         assert mx.array_equal(k0, _rows(before, held)[0][0]) and mx.array_equal(v0, _rows(before, held)[0][1])
@@ -159,7 +165,7 @@ def test_paged_allocation_close_to_need(tiny):
             model(mx.array([[5] * 5] * len(lengths)), cache=kv.layers)
             kv.trim_rows([rng.randrange(0, 5) for _ in lengths])
         kv.filter([0, 2, 4, 6])
-        assert kv.nbytes == sum(a.nbytes for a in kv.arrays())  # a pool's kept count is its arrays' bytes
+        assert kv.nbytes == (_held_bytes(kv) if layout == "paged" else sum(a.nbytes for a in kv.arrays()))
         ratio = kv.nbytes / kv.used_bytes()
         if bound:
             assert ratio <= bound, (layout, ratio)
@@ -201,7 +207,7 @@ def test_a_float_pool_stores_heads_alike_with_the_kernels_or_without(blocked):
         else:
             pool.write_heads(slots, x)
         pools.append(pool.parts[0])
-    assert pools[0].shape == (3, 32, 8)
+    assert pools[0].shape[1] >= 32 and pools[0].shape == pools[1].shape
     assert mx.array_equal(pools[0], pools[1]).item()
     assert mx.array_equal(pool.read(slots[None, :4], [4])[0], x[0]).item()  # row 0's tokens, [H, N, D]
     if not blocked:
@@ -250,3 +256,35 @@ def test_a_blocked_pool_read_block_by_block_is_the_element_gathers_tokens(length
         assert mx.array_equal(fast[b, :, :n], slow[b, :, :n]).item()
     consecutive = mx.arange(32, 72, dtype=mx.int32)[None]  # one row over blocks 2-4: a first slot
     assert mx.array_equal(pool.read(32, [40]), pool.read(consecutive, [40])).item()
+
+
+@pytest.mark.parametrize("bits, blocked", [(None, True), (None, False), (8, False)])
+def test_a_pool_grows_into_its_reserve_and_keeps_its_tokens(bits, blocked):
+    """Growth within the reserve keeps the arrays (no copy) and counts only the held slots'
+    bytes; growth past it keeps every held token. Without the kernels a pool holds exactly
+    what it is asked for."""
+    from specbatch.kernels import cpu
+    from specbatch.kernels.kv_pool import RESERVE, Pool
+
+    x = mx.random.normal((32, 128), key=mx.random.key(3))  # [n, H * D]
+    slots = mx.arange(32, dtype=mx.int32)
+    pool = Pool(2, 64, mx.float32, bits, blocked=blocked)
+    pool.grow(32)
+    pool.write(slots, x)
+    before = pool.read(slots[None], [32])
+    reserved = [p.shape[pool.axis] for p in pool.parts]
+    arrays = list(pool.parts)
+    per_slot = sum(p.nbytes for p in pool.parts) // reserved[0]
+    assert cpu.status().active is False or reserved == [32 * RESERVE] * len(reserved)
+    pool.grow(reserved[0])
+    assert all(a is b for a, b in zip(arrays, pool.parts)) and pool.nbytes == per_slot * reserved[0]
+    last = slots + reserved[0] - 32  # the reserve's last 32 slots, held now
+    pool.write(last, x[::-1])
+    pool.grow(reserved[0] + 16)
+    assert pool.slots() == reserved[0] + 16 and pool.nbytes == per_slot * pool.slots()
+    assert mx.array_equal(pool.read(slots[None], [32]), before).item()
+    assert mx.array_equal(pool.read(last[None], [32]), before[:, :, ::-1]).item()
+    with cpu.disabled():
+        exact = Pool(2, 64, mx.float32, bits, blocked=blocked)
+        exact.grow(48)
+        assert [p.shape[exact.axis] for p in exact.parts] == [48] * len(exact.parts)

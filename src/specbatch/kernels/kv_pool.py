@@ -19,8 +19,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import cpu
+from .cpu import paged
 from .block_table import BLOCK, group_size
+
+# A pool reserves this many times the slots it must hold, so it grows ~log2(final / first) times
+# rather than by every 1/16 (``block_table.GROW``); the headroom is zero pages, resident once written.
+RESERVE = 2
+
+
+def _with_slots(shape: tuple, axis: int, n: int) -> tuple:
+    return shape[:axis] + (n,) + shape[axis + 1:]
 
 
 class Pool:
@@ -35,24 +43,38 @@ class Pool:
         # the parts' slot count and bytes, kept here: every forward and every step's gauges ask (an
         # array's shape or size is a call into MLX; 120 of them a width-1 step)
         self._slots = self._bytes = 0
+        self._reserved = 0  # slots the parts' arrays hold: ``_slots`` and the headroom past them
 
     def slots(self) -> int:
         return self._slots
 
     def grow(self, n_slots: int) -> None:
-        """Hold at least ``n_slots`` (a copy of what is held: rare, see block_table.GROW)."""
+        """Hold at least ``n_slots``: within the reserve, no copy; past it, a copy into a new
+        reserve of ``RESERVE`` times as many slots, whose slots past the held ones take no
+        memory until written (``paged.pool_reserve``; MLX's zeros and no reserve without it)."""
         have = self.slots()
         if n_slots <= have:
             return
-        n, F = n_slots - have, self.heads * self.dim
+        if n_slots > self._reserved:
+            self._reserve(n_slots)
+        self._slots = n_slots
+        self._bytes = sum(p.nbytes for p in self.parts) * n_slots // self._reserved
+
+    def _reserve(self, n_slots: int) -> None:
+        F = self.heads * self.dim
         if self.bits:
-            shapes = [((n, F * self.bits // 32), mx.uint32), ((n, F // self.group), self.dtype),
-                      ((n, F // self.group), self.dtype)]
+            shapes = [((0, F * self.bits // 32), mx.uint32), ((0, F // self.group), self.dtype),
+                      ((0, F // self.group), self.dtype)]
         else:
-            shapes = [((self.heads, n, self.dim), self.dtype)]
-        fresh = [mx.zeros(shape, dtype) for shape, dtype in shapes]
-        self.parts = [mx.concatenate([p, f], axis=self.axis) for p, f in zip(self.parts, fresh)] if self.parts else fresh
-        self._slots, self._bytes = n_slots, sum(p.nbytes for p in self.parts)
+            shapes = [((self.heads, 0, self.dim), self.dtype)]
+        held = self.parts or [mx.zeros(shape, dtype) for shape, dtype in shapes]
+        reserve = n_slots * RESERVE
+        grown = [paged.pool_reserve(p, self.axis, reserve, self._slots) for p in held]
+        if grown[0] is None:  # no kernel: exactly what is asked, the new slots written as zeros
+            reserve = n_slots
+            grown = [mx.concatenate([p, mx.zeros(_with_slots(p.shape, self.axis, n_slots - p.shape[self.axis]), p.dtype)],
+                                    axis=self.axis) for p in held]
+        self.parts, self._reserved = grown, reserve
 
     def _places(self, slots: mx.array) -> mx.array:
         """A blocked pool's flat places of ``slots`` ``[...]`` in a head's row: ``[..., D]``."""
@@ -94,7 +116,7 @@ class Pool:
         if self.bits:
             self.write(slots, x.transpose(0, 2, 1, 3).reshape(B * N, H * D))
             return
-        written = cpu.paged_write(self.parts[0], slots, x, self.blocked)
+        written = paged.paged_write(self.parts[0], slots, x, self.blocked)
         if written is not None:
             self.parts[0] = written
         else:
@@ -152,7 +174,8 @@ class Pool:
             self.parts = [mx.contiguous(kept).reshape(H, -1, D)]
         else:
             self.parts = [mx.take(p, slots, axis=self.axis) for p in self.parts]
-        self._slots, self._bytes = slots.size, sum(p.nbytes for p in self.parts)
+        self._slots = self._reserved = slots.size
+        self._bytes = sum(p.nbytes for p in self.parts)
 
     @property
     def nbytes(self) -> int:

@@ -142,6 +142,9 @@ def _merged(out: mx.array) -> mx.array:
     return out.transpose(0, 2, 1, 3).reshape(B, L, H * D)
 
 
+_NO_MASK = mx.array(False)
+
+
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
               merge_heads: bool = False, length: int = 0) -> mx.array:
     """softmax(queries keys^T * scale) values: ``queries`` [B, Hq, L, D], ``keys``/``values``
@@ -165,38 +168,6 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         mask = mx.broadcast_to(mask, (mask.shape[0], 1, queries.shape[2], T))
     return ext.attention(queries, keys, values, scale, kind, mask if kind == "array" else _NO_MASK, merge_heads,
                          length)
-
-
-_NO_MASK = mx.array(False)
-
-
-def paged_attention(queries: mx.array, view, scale: float, mask, merge_heads: bool = False) -> mx.array | None:
-    """:func:`attention` over a paged cache read in place: ``view`` is (key pool, value pool
-    ``[P, Hkv * D]``, slots int32 ``[B, T]``). None where the kernel does not apply (the
-    caller attends over the gathered view instead)."""
-    ext = _active()
-    k_pool, v_pool, slots = view
-    kind = "" if mask is None else mask if isinstance(mask, str) else "array"
-    if (ext is None or queries.dtype != mx.float32 or k_pool.dtype != mx.float32 or queries.ndim != 4
-            or queries.shape[-1] > 256 or kind not in ("", "causal", "array")
-            or (kind == "array" and (mask.dtype != mx.bool_ or mask.ndim != 4 or mask.shape[1] != 1))):
-        return None
-    if kind == "array" and mask.shape[2:] != (queries.shape[2], slots.shape[1]):
-        mask = mx.broadcast_to(mask, (mask.shape[0], 1, queries.shape[2], slots.shape[1]))
-    return ext.paged_attention(queries, k_pool, v_pool, slots, scale, kind, mask if kind == "array" else _NO_MASK,
-                               merge_heads)
-
-
-def paged_write(pool: mx.array, slots: mx.array, rows: mx.array, blocked: bool = False) -> mx.array | None:
-    """The pool ``[H, P, D]`` with ``rows`` ``[B, H, N, D]`` stored at ``slots`` int32
-    ``[B * N]`` (``blocked``: a key pool's 16-slot blocks, ``kv_pool``), as one op writing in
-    place once the caller drops its old pool; None where the kernel does not apply (the caller
-    scatters with MLX's ops: the same bits)."""
-    ext = _active()
-    if (ext is None or rows.ndim != 4 or slots.dtype != mx.int32 or pool.dtype != mx.float32
-            or rows.dtype != mx.float32):
-        return None
-    return ext.paged_write(pool, slots, rows, blocked)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -294,3 +265,4 @@ def rope(x: mx.array, positions: mx.array, inv_freq: mx.array, dims: int, tradit
     if ext is None or x.dtype != mx.float32 or x.ndim != 4:
         return None
     return ext.rope(x, positions, inv_freq, dims, traditional, scale)
+

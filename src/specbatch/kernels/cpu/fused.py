@@ -20,7 +20,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from . import MAX_ROWS, _active, add_rms_norm, attention, mlp_block, paged_attention, rope_positions, rows_of, swiglu
+from . import MAX_ROWS, _active, add_rms_norm, attention, mlp_block, rope_positions, rows_of, swiglu
+from .paged import paged_attention
 
 MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")  # classes whose calls are copied here
 

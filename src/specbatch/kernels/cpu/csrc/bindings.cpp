@@ -18,6 +18,7 @@
 #include "paged_write.h"
 #include "pool.h"
 #include "projections.h"
+#include "reserve.h"
 #include "blocks.h"
 #include "rope.h"
 #include "stack.h"
@@ -48,6 +49,9 @@ NB_MODULE(_ext, m) {
         nb::arg("blocked") = false,
         "the pool [H, P, D] with rows [B, H, N, D] stored at slots [B * N], in place where donated (blocked: a "
         "key pool, each 16-slot block [D][16])");
+  m.def("pool_reserve", &specbatch::pool_reserve, nb::arg("pool"), nb::arg("axis"), nb::arg("slots"), nb::arg("keep"),
+        "the pool with `slots` along its slot axis `axis`: each outer index's first `keep` slots copied, the rest "
+        "zero pages resident only once written");
   m.def("paged_write_copies", &specbatch::paged_write_copies, "paged writes so far that copied their pool");
   m.def("add_rms_norm", &specbatch::add_rms_norm, nb::arg("x"), nb::arg("r"), nb::arg("w"), nb::arg("eps"),
         "(x + r, rms_norm(x + r, w, eps)) in one op: a residual add and the norm after it");
