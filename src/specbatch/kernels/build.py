@@ -134,7 +134,8 @@ class LoopKernels:
 
     def retire(self, loop: ScalarLoop) -> None:
         if retires(loop.request):
-            self.prompt_cache.retire(held_tokens(loop.request), loop.singles())
+            held = held_tokens(loop.request)
+            self.prompt_cache.retire(held, loop.singles(len(held)))
 
     def gauges(self) -> dict:
         pc = self.prompt_cache

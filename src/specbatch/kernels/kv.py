@@ -203,10 +203,11 @@ class RaggedKVCache:
         self.starts += other.starts
         self.ends += other.ends
 
-    def extract(self, row: int) -> KVCache:
-        """Row ``row`` as an mlx-lm single-sequence ``KVCache``."""
+    def extract(self, row: int, n: int | None = None) -> KVCache:
+        """Row ``row``'s first ``n`` tokens (all by default) as an mlx-lm single-sequence ``KVCache``."""
         single = KVCache()
         s, e = self.starts[row], self.ends[row]
+        e = e if n is None else min(e, s + n)
         single.keys = mx.contiguous(self.keys[row:row + 1, :, s:e, :])
         single.values = mx.contiguous(self.values[row:row + 1, :, s:e, :])
         single.offset = e - s
@@ -268,8 +269,10 @@ class BatchKV:
         for mine, theirs in zip(self.layers, other.layers):
             mine.extend(theirs)
 
-    def extract(self, row: int) -> list[KVCache]:
-        return [layer.extract(row) for layer in self.layers]
+    def extract(self, row: int, n: int | None = None) -> list[KVCache]:
+        """Row ``row``'s first ``n`` tokens (all by default), a single-sequence cache a layer:
+        the prompt cache keeps exactly these (asking for fewer spares a second copy)."""
+        return [layer.extract(row, n) for layer in self.layers]
 
     def move_tokens(self, rows: list[int], src: list[int], dst: list[int]) -> None:
         """Copy token ``src[i]`` of row ``rows[i]`` to its position ``dst[i]``, every layer."""

@@ -130,9 +130,10 @@ class PagedLayer(RaggedKVCache):
     def trim_rows(self, counts: list[int]) -> None:
         self.ends = [max(0, n - c) for n, c in zip(self._lengths, counts)]
 
-    def extract(self, row: int) -> KVCache:
-        """Row ``row`` as an mlx-lm single-sequence ``KVCache`` (dequantized under kv_bits)."""
-        n = self._lengths[row]
+    def extract(self, row: int, n: int | None = None) -> KVCache:
+        """Row ``row``'s first ``n`` tokens (all by default) as an mlx-lm single-sequence
+        ``KVCache`` (dequantized under kv_bits)."""
+        n = self._lengths[row] if n is None else min(n, self._lengths[row])
         sub = BlockTable([self.table.rows[row]])
         index = sub.gather([n])
         single = KVCache()

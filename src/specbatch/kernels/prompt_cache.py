@@ -132,13 +132,14 @@ class PromptCache:
             log.info("prefix_warm", tokens=shared)
 
     def offer(self, request, caches) -> None:
-        """Offer an admitted request's prompt; ``caches`` (or a callable giving them) hold it."""
+        """Offer an admitted request's prompt; ``caches`` (or a callable giving them, or just
+        the first n tokens, for n) hold it."""
         if self.max_bytes <= 0 or request.id in self._offered or len(request.prompt) <= self.min_tokens:
             return
         self._offered.add(request.id)
         n = len(request.prompt) - 1
         if self._best(request.prompt)[1] < n and self._fits(n):  # not already covered, and room
-            self.retire(request.prompt[:-1], caches() if callable(caches) else caches)
+            self.retire(request.prompt[:-1], caches(n) if callable(caches) else caches)
 
     def _fits(self, n: int) -> bool:
         """Whether an entry of ``n`` tokens could be kept (unknown before the first retire)."""
@@ -148,7 +149,7 @@ class PromptCache:
         """Offer the prompts of rows admitted since the last call (their KV holds them), so
         requests arriving while these still run reuse the shared part."""
         for i, row in enumerate(loop.rows):
-            self.offer(row.request, lambda i=i: loop.kv.extract(i))
+            self.offer(row.request, lambda n, i=i: loop.kv.extract(i, n))
         if len(self._offered) > 4 * len(loop.rows) + 1024:  # forget requests long gone
             self._offered = {r.request.id for r in loop.rows}
 

@@ -175,7 +175,8 @@ class BatchLoop:
         out = [self.rows[i].request for i in gone]
         for i in gone:
             if self.retire is not None and retires(self.rows[i].request):
-                self.retire(held_tokens(self.rows[i].request), self.kv.extract(i))
+                held = held_tokens(self.rows[i].request)
+                self.retire(held, self.kv.extract(i, len(held)))
         self.kv.filter(keep)
         if self.armed:
             self.drafter.filter(keep)

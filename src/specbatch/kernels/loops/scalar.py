@@ -95,9 +95,10 @@ class ScalarLoop:
         layers, or single-sequence caches)."""
         return self.kv.layers
 
-    def singles(self) -> list:
-        """The row's KV as mlx-lm single-sequence caches, one per layer (the prompt cache's)."""
-        return self.kv.layers if isinstance(self.kv, SingleKV) else self.kv.extract(0)
+    def singles(self, n: int | None = None) -> list:
+        """The row's KV (its first ``n`` tokens where it is a batch's) as mlx-lm single-sequence
+        caches, one per layer (the prompt cache's)."""
+        return self.kv.layers if isinstance(self.kv, SingleKV) else self.kv.extract(0, n)
 
     @property
     def finished(self) -> bool:
