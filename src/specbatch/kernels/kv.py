@@ -206,8 +206,7 @@ class RaggedKVCache:
     def extract(self, row: int, n: int | None = None) -> KVCache:
         """Row ``row``'s first ``n`` tokens (all by default) as an mlx-lm single-sequence ``KVCache``."""
         single = KVCache()
-        s, e = self.starts[row], self.ends[row]
-        e = e if n is None else min(e, s + n)
+        s, e = self.starts[row], self.ends[row] if n is None else min(self.ends[row], self.starts[row] + n)
         single.keys = mx.contiguous(self.keys[row:row + 1, :, s:e, :])
         single.values = mx.contiguous(self.values[row:row + 1, :, s:e, :])
         single.offset = e - s
@@ -269,9 +268,7 @@ class BatchKV:
         for mine, theirs in zip(self.layers, other.layers):
             mine.extend(theirs)
 
-    def extract(self, row: int, n: int | None = None) -> list[KVCache]:
-        """Row ``row``'s first ``n`` tokens (all by default), a single-sequence cache a layer:
-        the prompt cache keeps exactly these (asking for fewer spares a second copy)."""
+    def extract(self, row: int, n: int | None = None) -> list[KVCache]:  # the prompt cache's n: one copy
         return [layer.extract(row, n) for layer in self.layers]
 
     def move_tokens(self, rows: list[int], src: list[int], dst: list[int]) -> None:
