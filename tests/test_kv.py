@@ -86,6 +86,23 @@ def test_extract_and_convert_round_trip(tiny):
     assert mx.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_extract_of_the_first_n_tokens_holds_exactly_them(tiny, layout):
+    """``extract(row, n)``: arrays of exactly the row's first n tokens, equal to a whole
+    extract's (the prompt cache keeps them with no second copy)."""
+    model = tiny.model
+    kv = batch_kv(len(model.layers), layout=layout)
+    kv.extend(prefill_row(model, list(range(5, 25))))
+    kv.extend(prefill_row(model, list(range(30, 41))))
+    for row, n in ((0, 13), (1, 11), (1, 50)):
+        whole, first = kv.extract(row), kv.extract(row, n)
+        held = min(n, kv.lengths()[row])
+        for w, f in zip(whole, first):
+            assert f.offset == held and f.keys.shape[2] == held and f.values.shape[2] == held
+            assert mx.array_equal(f.keys, w.keys[:, :, :held]).item()
+            assert mx.array_equal(f.values, w.values[:, :, :held]).item()
+
+
 def test_protocol_members():
     cache = RaggedKVCache([0, 0])
     k = mx.ones((2, 2, 3, 4))
