@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 
 BLOCK = 16  # tokens per block: a row wastes < BLOCK tokens; smaller means longer gather tables
-GROW = 16  # a pool grows by at least 1/GROW of itself: amortised copies, <= 6.25% slack
-ROW_SPARE = 2  # and by at least this many blocks a row: a copy per ~2 boundaries each row crosses, not per row
+GROW = 16  # the capacity grows by at least 1/GROW of itself, <= 6.25% slack (pools reserve more: kv_pool.RESERVE)
+ROW_SPARE = 2  # and by at least this many blocks a row: a growth per ~2 boundaries each row crosses, not per row
 COMPACT_SLACK = 0.10  # after rows leave, repack the pools once free blocks pass this share
 
 

@@ -7,6 +7,7 @@ import mlx.core as mx
 
 from . import _NO_MASK, _active
 
+
 def paged_attention(queries: mx.array, view, scale: float, mask, merge_heads: bool = False) -> mx.array | None:
     """:func:`attention` over a paged cache read in place: ``view`` is (key pool, value pool
     ``[P, Hkv * D]``, slots int32 ``[B, T]``). None where the kernel does not apply (the
