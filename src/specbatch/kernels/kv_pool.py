@@ -163,19 +163,28 @@ class Pool:
         for p in self.parts:
             p[dst] = p[src]
 
-    def take(self, slots: mx.array) -> None:
-        """Keep only ``slots`` (in that order; whole blocks' worth where blocked): compaction
-        after rows leave."""
-        if self.blocked:
-            if slots.size % BLOCK:
-                raise ValueError(f"a blocked pool keeps whole blocks of {BLOCK} slots, not {slots.size}")
+    def take(self, slots: mx.array, whole_blocks: bool = False) -> None:
+        """Keep only ``slots`` (in that order; whole blocks' worth where blocked), into a new
+        reserve (``grow``): compaction after rows leave. ``whole_blocks``: slots run 16 to a
+        block from a multiple of 16 (a block table's), so a blocked pool takes each block as it lies."""
+        n = slots.size
+        if self.blocked and whole_blocks:
+            H, D = self.heads, self.dim
+            blocks = self.parts[0].reshape(H, -1, D * BLOCK)  # [H, P / 16, D * 16]
+            kept = [mx.take(blocks, slots[::BLOCK] // BLOCK, axis=1).reshape(H, n, D)]
+        elif self.blocked:
+            if n % BLOCK:
+                raise ValueError(f"a blocked pool keeps whole blocks of {BLOCK} slots, not {n}")
             H, D = self.heads, self.dim
             kept = self._get(slots).reshape(H, -1, BLOCK, D).transpose(0, 1, 3, 2)  # [H, n / 16, D, 16]
-            self.parts = [mx.contiguous(kept).reshape(H, -1, D)]
+            kept = [mx.contiguous(kept).reshape(H, -1, D)]
         else:
-            self.parts = [mx.take(p, slots, axis=self.axis) for p in self.parts]
-        self._slots = self._reserved = slots.size
-        self._bytes = sum(p.nbytes for p in self.parts)
+            kept = [mx.take(p, slots, axis=self.axis) for p in self.parts]
+        # the reserve's own array, not a view: the next in-place write may take its buffer
+        grown = [paged.pool_reserve(p, self.axis, n * RESERVE, n) for p in kept]
+        self.parts, self._reserved = (kept, n) if grown[0] is None else (grown, n * RESERVE)
+        self._slots = n
+        self._bytes = sum(p.nbytes for p in self.parts) * n // self._reserved
 
     @property
     def nbytes(self) -> int:

@@ -178,8 +178,8 @@ class PagedKV(BatchKV):
             slots = mx.array(table.compact())
             for layer in self.layers:
                 if layer.kpool is not None:
-                    layer.kpool.take(slots)
-                    layer.vpool.take(slots)
+                    layer.kpool.take(slots, whole_blocks=True)
+                    layer.vpool.take(slots, whole_blocks=True)
             log.debug("kv_compact", blocks=table.capacity, freed=freed)
 
     def extend(self, other: BatchKV) -> None:
