@@ -68,13 +68,19 @@ class Pool:
         else:
             shapes = [((self.heads, 0, self.dim), self.dtype)]
         held = self.parts or [mx.zeros(shape, dtype) for shape, dtype in shapes]
-        reserve = n_slots * RESERVE
-        grown = [paged.pool_reserve(p, self.axis, reserve, self._slots) for p in held]
-        if grown[0] is None:  # no kernel: exactly what is asked, the new slots written as zeros
-            reserve = n_slots
-            grown = [mx.concatenate([p, mx.zeros(_with_slots(p.shape, self.axis, n_slots - p.shape[self.axis]), p.dtype)],
-                                    axis=self.axis) for p in held]
-        self.parts, self._reserved = grown, reserve
+        if not self._reserve_from(held, self._slots, n_slots):  # no kernel: exactly what is asked
+            self.parts = [mx.concatenate([p, mx.zeros(_with_slots(p.shape, self.axis, n_slots - p.shape[self.axis]),
+                                                      p.dtype)], axis=self.axis) for p in held]
+            self._reserved = n_slots
+
+    def _reserve_from(self, parts: list[mx.array], keep: int, n_slots: int) -> bool:
+        """Hold ``parts``' first ``keep`` slots in a reserve of ``RESERVE * n_slots`` (the op's own
+        arrays: the next in-place write may take their buffers); False without the kernel."""
+        grown = [paged.pool_reserve(p, self.axis, n_slots * RESERVE, keep) for p in parts]
+        if grown[0] is None:
+            return False
+        self.parts, self._reserved = grown, n_slots * RESERVE
+        return True
 
     def _places(self, slots: mx.array) -> mx.array:
         """A blocked pool's flat places of ``slots`` ``[...]`` in a head's row: ``[..., D]``."""
@@ -167,22 +173,19 @@ class Pool:
         """Keep only ``slots`` (in that order; whole blocks' worth where blocked), into a new
         reserve (``grow``): compaction after rows leave. ``whole_blocks``: slots run 16 to a
         block from a multiple of 16 (a block table's), so a blocked pool takes each block as it lies."""
-        n = slots.size
+        n, H, D = slots.size, self.heads, self.dim
         if self.blocked and whole_blocks:
-            H, D = self.heads, self.dim
             blocks = self.parts[0].reshape(H, -1, D * BLOCK)  # [H, P / 16, D * 16]
             kept = [mx.take(blocks, slots[::BLOCK] // BLOCK, axis=1).reshape(H, n, D)]
         elif self.blocked:
             if n % BLOCK:
                 raise ValueError(f"a blocked pool keeps whole blocks of {BLOCK} slots, not {n}")
-            H, D = self.heads, self.dim
             kept = self._get(slots).reshape(H, -1, BLOCK, D).transpose(0, 1, 3, 2)  # [H, n / 16, D, 16]
             kept = [mx.contiguous(kept).reshape(H, -1, D)]
         else:
             kept = [mx.take(p, slots, axis=self.axis) for p in self.parts]
-        # the reserve's own array, not a view: the next in-place write may take its buffer
-        grown = [paged.pool_reserve(p, self.axis, n * RESERVE, n) for p in kept]
-        self.parts, self._reserved = (kept, n) if grown[0] is None else (grown, n * RESERVE)
+        if not self._reserve_from(kept, n, n):
+            self.parts, self._reserved = kept, n
         self._slots = n
         self._bytes = sum(p.nbytes for p in self.parts) * n // self._reserved
 
