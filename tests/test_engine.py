@@ -196,3 +196,17 @@ def test_submit_many_arrives_as_one_burst(tiny):
         with pytest.raises(InvalidRequest):
             engine.submit_many(["ok", ""])
         assert engine.stats()["requests_submitted"] == 3  # nothing of a bad batch is queued
+
+
+def test_freed_memory_is_kept_for_reuse_unless_switched_off(monkeypatch):
+    """glibc keeps freed blocks for reuse once an engine is built (a retired row's copy then
+    lands on pages already faulted in); SPECBATCH_RETAIN_MEMORY=0 leaves the allocator alone."""
+    import platform
+
+    from specbatch.kernels.build import retain_freed_memory
+
+    monkeypatch.setenv("SPECBATCH_RETAIN_MEMORY", "0")
+    assert retain_freed_memory.__wrapped__() is False
+    monkeypatch.delenv("SPECBATCH_RETAIN_MEMORY")
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert retain_freed_memory.__wrapped__() is True
