@@ -317,3 +317,19 @@ def test_a_pool_grows_into_its_reserve_and_keeps_its_tokens(bits, blocked):
         exact = Pool(2, 64, mx.float32, bits, blocked=blocked)
         exact.grow(48)
         assert [p.shape[exact.axis] for p in exact.parts] == [48] * len(exact.parts)
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_a_pool_that_keeps_no_slots_holds_nothing_and_grows_again(blocked):
+    """Compaction down to no slots (every kept row empty) leaves an empty pool, which grows
+    again as from the start."""
+    from specbatch.kernels.kv_pool import Pool
+
+    pool = Pool(2, 64, mx.float32, None, blocked=blocked)
+    pool.grow(32)
+    pool.write(mx.arange(32, dtype=mx.int32), mx.ones((32, 128)))
+    pool.take(mx.zeros((0,), dtype=mx.int32), whole_blocks=True)
+    assert pool.slots() == 0 and pool.nbytes == 0
+    pool.grow(16)
+    pool.write(mx.arange(16, dtype=mx.int32), mx.full((16, 128), 2.0))
+    assert pool.read(mx.arange(16, dtype=mx.int32)[None], [16]).min().item() == 2.0

@@ -187,7 +187,7 @@ class Pool:
         if not self._reserve_from(kept, n, n):
             self.parts, self._reserved = kept, n
         self._slots = n
-        self._bytes = sum(p.nbytes for p in self.parts) * n // self._reserved
+        self._bytes = sum(p.nbytes for p in self.parts) * n // max(self._reserved, 1)  # none kept: 0
 
     @property
     def nbytes(self) -> int:
