@@ -147,17 +147,21 @@ class Pool:
         x = mx.dequantize(*got, group_size=self.group, bits=self.bits)
         return mx.contiguous(x.reshape(*x.shape[:2], self.heads, self.dim).transpose(0, 2, 1, 3))
 
+    def _blocks(self, ids: mx.array | slice) -> mx.array:
+        """A blocked pool's 16-slot blocks ``ids`` ``[...]`` (or a slice: a view) as they lie,
+        ``[H, ..., D * 16]``: reads and compaction take whole blocks, never element by element."""
+        return self.parts[0].reshape(self.heads, -1, self.dim * BLOCK)[:, ids]
+
     def _read_blocks(self, index: mx.array | int, T: int) -> mx.array:
         """``read`` of a blocked key pool over whole blocks (a first slot is a block's): each
         16-slot block taken as it lies (a contiguous ``[D][16]``) and turned back to token rows,
         not gathered element by element (a 1,740-token row's 30 layers: 240-320 -> ~70 ms, on
         every finished row the prompt cache keeps)."""
         H, D, nb = self.heads, self.dim, -(-T // BLOCK)
-        blocks = self.parts[0].reshape(H, -1, D * BLOCK)  # [H, P / 16, D * 16]
         if isinstance(index, int):
-            taken = blocks[:, None, index // BLOCK:index // BLOCK + nb]  # [H, 1, nb, D * 16]
+            taken = self._blocks(slice(index // BLOCK, index // BLOCK + nb))[:, None]  # a view: [H, 1, nb, D * 16]
         else:
-            taken = blocks[:, index[:, ::BLOCK] // BLOCK]  # [H, B, nb, D * 16]
+            taken = self._blocks(index[:, ::BLOCK] // BLOCK)  # [H, B, nb, D * 16]
         rows = taken.reshape(H, -1, nb, D, BLOCK).transpose(1, 0, 2, 4, 3)  # [B, H, nb, 16, D]
         return mx.contiguous(rows.reshape(rows.shape[0], H, nb * BLOCK, D)[:, :, :T])
 
@@ -175,8 +179,7 @@ class Pool:
         block from a multiple of 16 (a block table's), so a blocked pool takes each block as it lies."""
         n, H, D = slots.size, self.heads, self.dim
         if self.blocked and whole_blocks:
-            blocks = self.parts[0].reshape(H, -1, D * BLOCK)  # [H, P / 16, D * 16]
-            kept = [mx.take(blocks, slots[::BLOCK] // BLOCK, axis=1).reshape(H, n, D)]
+            kept = [self._blocks(slots[::BLOCK] // BLOCK).reshape(H, n, D)]
         elif self.blocked:
             if n % BLOCK:
                 raise ValueError(f"a blocked pool keeps whole blocks of {BLOCK} slots, not {n}")

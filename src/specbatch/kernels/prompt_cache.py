@@ -132,8 +132,8 @@ class PromptCache:
             log.info("prefix_warm", tokens=shared)
 
     def offer(self, request, caches) -> None:
-        """Offer an admitted request's prompt; ``caches`` (or a callable giving them, or just
-        the first n tokens, for n) hold it."""
+        """Offer an admitted request's prompt; ``caches`` hold it, or are a callable giving the
+        caches of its first n tokens for n (only the tokens kept are read)."""
         if self.max_bytes <= 0 or request.id in self._offered or len(request.prompt) <= self.min_tokens:
             return
         self._offered.add(request.id)
